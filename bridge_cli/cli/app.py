@@ -1,0 +1,135 @@
+"""The `bridge` command: argv -> composed config -> the library call. Thin by design.
+
+Only typer is imported at start-up; torch and megatron-core load inside the commands that need
+them, so `bridge --help` and `bridge recipes list` answer at once.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from bridge_cli.cli import config_cmd, recipes_cmd
+from bridge_cli.cli.errors import handles_user_errors
+
+app = typer.Typer(
+    name="bridge",
+    help="Train GPT/Llama-style models on megatron-core from YAML recipes.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+app.add_typer(recipes_cmd.app, name="recipes")
+app.add_typer(config_cmd.app, name="config")
+
+DEFAULT_RECIPE = "tiny"
+
+Overrides = Annotated[Optional[list[str]], typer.Argument(
+    help="recipe=NAME|PATH, then Hydra overrides: key=value, group=option, +key=value.", show_default=False)]
+RecipesDir = Annotated[Optional[list[Path]], typer.Option(
+    "--recipes-dir", help="Extra folder of recipe YAML files (repeatable; also $BRIDGE_RECIPES_DIR).")]
+DryRun = Annotated[bool, typer.Option("--dry-run", help="Print the resolved config and derived values, then stop.")]
+WorldSize = Annotated[Optional[int], typer.Option(
+    "--world-size", help="Process count to validate for (default: $WORLD_SIZE or 1).")]
+Debug = Annotated[bool, typer.Option("--debug", help="Show tracebacks and every rank's output.")]
+
+
+def is_rank_zero() -> bool:
+    return os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"
+
+
+def quiet_known_warnings() -> None:
+    """megatron-core warns on import that Transformer Engine is absent; bridge says which spec it uses instead."""
+    import warnings
+
+    for message in ("Transformer Engine and Apex are not installed", "full scope is deprecated"):
+        warnings.filterwarnings("ignore", message=message)
+
+
+def load_config(overrides: list[str] | None, recipes_dir: list[Path] | None, world_size: int | None = None):
+    """Compose, convert and validate one run's config; the recipe defaults to the tiny one."""
+    quiet_known_warnings()
+    from bridge_cli.config.compose import compose
+    from bridge_cli.training.config import ConfigContainer
+
+    recipe, rest = DEFAULT_RECIPE, []
+    for item in overrides or []:
+        if item.startswith("recipe="):
+            recipe = item.split("=", 1)[1]
+        else:
+            rest.append(item)
+    container = ConfigContainer.from_yaml_dict(compose(recipe, rest, recipes_dir))
+    container.validate(world_size)
+    return recipe, container
+
+
+def print_dry_run(recipe: str, container) -> None:
+    from omegaconf import OmegaConf
+
+    from bridge_cli.config.compose import PRECEDENCE
+
+    print(OmegaConf.to_yaml(container.to_dict()), end="")
+    print(f"# recipe: {recipe}\n# precedence: {PRECEDENCE}")
+    print(OmegaConf.to_yaml({"derived": container.derived()}), end="")
+
+
+@app.command()
+@handles_user_errors
+def pretrain(overrides: Overrides = None, recipes_dir: RecipesDir = None, dry_run: DryRun = False,
+             world_size: WorldSize = None, debug: Debug = False) -> None:
+    """Pretrain a model: `bridge pretrain recipe=tiny train.train_iters=50`."""
+    recipe, container = load_config(overrides, recipes_dir, world_size)
+    if dry_run:
+        if is_rank_zero():
+            print_dry_run(recipe, container)
+        return
+    from bridge_cli.training.gpt_step import forward_step
+    from bridge_cli.training.pretrain import pretrain as run_pretrain
+
+    run_pretrain(container, forward_step)
+
+
+@app.command()
+@handles_user_errors
+def finetune(overrides: Overrides = None, recipes_dir: RecipesDir = None, dry_run: DryRun = False,
+             world_size: WorldSize = None, debug: Debug = False) -> None:
+    """Fine-tune from a pretrained checkpoint (checkpoint.pretrained_checkpoint=DIR)."""
+    recipe, container = load_config(overrides, recipes_dir, world_size)
+    if dry_run:
+        if is_rank_zero():
+            print_dry_run(recipe, container)
+        return
+    _not_yet("finetune")
+
+
+@app.command("eval")
+@handles_user_errors
+def evaluate(overrides: Overrides = None, recipes_dir: RecipesDir = None, dry_run: DryRun = False,
+             world_size: WorldSize = None, debug: Debug = False) -> None:
+    """Report validation loss and perplexity of a checkpoint (checkpoint.load=DIR)."""
+    recipe, container = load_config(overrides, recipes_dir, world_size)
+    if dry_run:
+        if is_rank_zero():
+            print_dry_run(recipe, container)
+        return
+    _not_yet("eval")
+
+
+@app.command("convert-ckpt", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def convert_ckpt(direction: Annotated[str, typer.Argument(help="import-hf or export-hf")]) -> None:
+    """Convert checkpoints between Hugging Face and megatron-core torch_dist."""
+    _not_yet(f"convert-ckpt {direction}")
+
+
+def _not_yet(what: str) -> None:
+    typer.secho(f"error: `bridge {what}` is not available in this version of bridge yet; "
+                "`bridge pretrain` is.", fg=typer.colors.RED, err=True)
+    raise typer.Exit(2)
+
+
+def main() -> None:
+    app()

@@ -1,0 +1,53 @@
+"""`bridge config`: check a config without running it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from bridge_cli.cli.errors import handles_user_errors
+
+app = typer.Typer(help="Validate configs and read field documentation.", no_args_is_help=True)
+
+
+@app.command()
+@handles_user_errors
+def validate(
+    overrides: Annotated[Optional[list[str]], typer.Argument(help="recipe=NAME|PATH and overrides.")] = None,
+    recipes_dir: Annotated[Optional[list[Path]], typer.Option("--recipes-dir")] = None,
+    world_size: Annotated[Optional[int], typer.Option("--world-size")] = None,
+    debug: bool = False,
+) -> None:
+    """Compose and validate quietly: exit 0 when valid, 2 with the reason when not."""
+    from bridge_cli.cli.app import load_config
+
+    load_config(overrides, recipes_dir, world_size)
+
+
+@app.command()
+def docs(section: Annotated[Optional[str], typer.Argument(help="e.g. train, model, optimizer")] = None) -> None:
+    """Each field of a section (or every section) with its default and one-line description."""
+    import dataclasses
+
+    from bridge_cli.config.mcore_schema import field_docs, schema_fields
+    from bridge_cli.config.schema import DATASETS, SECTIONS, mcore_sections
+
+    sections = {**SECTIONS, **{f"dataset ({k})": v for k, v in DATASETS.items()}}
+    mcore = mcore_sections()
+    for name in ([section] if section else [*sections, *mcore]):
+        if name in mcore:
+            rows = [(f.name, f.default) for f in schema_fields(mcore[name])]
+            docs_ = field_docs(mcore[name])
+        elif name in sections or f"dataset ({name})" in sections:
+            cls = sections.get(name) or sections[f"dataset ({name})"]
+            rows = [(f.name, f.default if f.default is not dataclasses.MISSING else f.default_factory())
+                    for f in dataclasses.fields(cls)]
+            docs_ = field_docs(cls)
+        else:
+            typer.secho(f"error: no section {name!r}. Sections: {', '.join([*sections, *mcore])}.", err=True)
+            raise typer.Exit(2)
+        typer.echo(f"[{name}]")
+        for field_name, default in rows:
+            typer.echo(f"  {field_name} = {default!r}\n      {docs_.get(field_name, '')}")

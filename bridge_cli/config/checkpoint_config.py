@@ -1,0 +1,122 @@
+"""Checkpoint section: where and how checkpoints are saved and loaded."""
+
+from dataclasses import dataclass
+from typing import Optional
+
+from bridge_cli.config.fields import one_of
+
+
+@dataclass
+class CheckpointConfig:
+    """Saving and loading checkpoints."""
+
+    save: Optional[str] = None
+    """Directory to save checkpoints to (None: never save)."""
+
+    save_interval: Optional[int] = None
+    """Iterations between persistent checkpoint saves."""
+
+    save_optim: bool = True
+    """Save the optimizer state in checkpoints."""
+
+    save_rng: bool = True
+    """Save the RNG state in checkpoints."""
+
+    load: Optional[str] = None
+    """Directory to resume from (None: start from scratch)."""
+
+    load_optim: bool = True
+    """Load the optimizer state when loading a checkpoint."""
+
+    load_main_params_from_ckpt: bool = False
+    """Load fp32 main parameters from the checkpoint; for loading without optimizer state (load_optim false)."""
+
+    load_rng: bool = True
+    """Load the RNG state when loading a checkpoint."""
+
+    non_persistent_save_interval: Optional[int] = None
+    """Iterations between non-persistent checkpoint saves."""
+
+    non_persistent_ckpt_type: Optional[str] = one_of(None, "global", "local", "in_memory")
+    """Non-persistent checkpoint kind: 'global' (regular, old ones removed), 'local' (per-rank), 'in_memory'."""
+
+    non_persistent_global_ckpt_dir: Optional[str] = None
+    """Directory for global non-persistent checkpoints."""
+
+    non_persistent_local_ckpt_dir: Optional[str] = None
+    """Directory for local non-persistent checkpoints."""
+
+    non_persistent_local_ckpt_algo: str = one_of("fully_parallel", "fully_parallel", "atomic")
+    """Algorithm for local non-persistent checkpointing."""
+
+    finetune: bool = False
+    """Load only the model weights and restart at iteration 0 (assumed for release checkpoints)."""
+
+    pretrained_checkpoint: Optional[str] = None
+    """Directory of a pretrained checkpoint to finetune from."""
+
+    ckpt_step: Optional[int] = None
+    """Iteration to load from `load` (None: the latest)."""
+
+    use_checkpoint_args: bool = False
+    """Override config values with those stored in the checkpoint."""
+
+    exit_on_missing_checkpoint: bool = False
+    """Exit when `load` is set but holds no checkpoint, instead of starting from random weights."""
+
+    ckpt_format: str = one_of("torch_dist", "torch_dist", "zarr")
+    """Checkpoint format."""
+
+    ckpt_convert_format: Optional[str] = one_of(None, "torch", "torch_dist", "zarr")
+    """Format to convert the loaded checkpoint to."""
+
+    ckpt_convert_save: Optional[str] = None
+    """Directory to save the converted checkpoint to."""
+
+    fully_parallel_save: bool = True
+    """Spread saving across data-parallel ranks (makes distributed-optimizer checkpoints non-reshardable)."""
+
+    async_save: bool = False
+    """Save checkpoints asynchronously (torch_dist format only)."""
+
+    use_persistent_ckpt_worker: bool = True
+    """Use one long-lived background worker for async saves instead of a new one per save."""
+
+    fully_parallel_load: bool = False
+    """Spread checkpoint loading across data-parallel ranks."""
+
+    ckpt_assume_constant_structure: bool = False
+    """Assume model and optimizer state-dict structure stays constant within a job, enabling save optimizations."""
+
+    dist_ckpt_strictness: str = one_of(
+        "assume_ok_unexpected",
+        "assume_ok_unexpected",
+        "log_unexpected",
+        "log_all",
+        "raise_unexpected",
+        "raise_all",
+        "return_unexpected",
+        "return_all",
+        "ignore_all",
+    )
+    """Handling of key mismatches when loading a distributed checkpoint from storage (see StrictHandling)."""
+
+    replication: bool = False
+    """Replicate local checkpoints to other ranks; must be set on all ranks."""
+
+    replication_jump: Optional[int] = None
+    """Rank spacing J between replicas of a rank's data (n+J, n+2J, ...); needs replication."""
+
+    replication_factor: int = 2
+    """Number of machines storing a replica of each rank's data."""
+
+    def check(self) -> list[tuple[str, str]]:
+        """(field, message) for each problem; empty when the section is consistent."""
+        problems = []
+        if self.load_main_params_from_ckpt and self.load_optim:
+            problems.append(("load_main_params_from_ckpt", "needs load_optim: false."))
+        if self.async_save and self.save is None:
+            problems.append(("async_save", "needs save set to a directory."))
+        if self.async_save and not self.use_persistent_ckpt_worker:
+            problems.append(("async_save", "needs use_persistent_ckpt_worker: true."))
+        return problems

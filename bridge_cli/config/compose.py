@@ -1,0 +1,132 @@
+"""Compose one run's config with Hydra: group defaults < recipe < command-line overrides.
+
+Uses Hydra's compose API (no ``@hydra.main``, no change of working directory). The chosen recipe
+joins the ``recipe`` config group of ``conf/config.yaml`` through a temporary search-path root
+that holds only that file, so a shipped name, a ``--recipes-dir`` entry and a path all compose
+the same way. Every Hydra/OmegaConf failure becomes a ConfigError naming the full key or file.
+"""
+
+from __future__ import annotations
+
+import re
+import tempfile
+from pathlib import Path
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
+
+from bridge_cli.config import recipes, schema
+from bridge_cli.config.errors import ConfigError, did_you_mean
+
+PRECEDENCE = "config groups (conf/) < recipe < command-line overrides"
+
+
+def _check_yaml(path: Path, label: str) -> None:
+    try:
+        yaml.safe_load(path.read_text())
+    except yaml.MarkedYAMLError as err:
+        mark = err.problem_mark
+        where = f"{label}:{mark.line + 1}" if mark else label
+        raise ConfigError(None, f"{where}: malformed YAML: {err.problem}.", "Fix the file and run again.") from None
+    except OSError as err:
+        raise ConfigError(None, f"{label}: cannot read ({err.strerror}).") from None
+
+
+def _unknown_key(key: str, source: str = "") -> ConfigError:
+    """An unknown-key error that suggests the same name in another section, else close names."""
+    keys = schema.all_keys()
+    leaf = key.rsplit(".", 1)[-1]
+    same_leaf = [k for k in keys if k.rsplit(".", 1)[-1] == leaf]
+    hint = ("Did you mean " + " or ".join(same_leaf[:3]) + "?") if same_leaf else did_you_mean(key, keys)
+    return ConfigError(key, f"unknown key{source}.", hint or "See `bridge pretrain recipe=NAME --dry-run` for every key.")
+
+
+def _reject_unknown_keys(cfg: DictConfig) -> None:
+    """Hydra's '+key=value' bypasses the schema's struct flag; catch what it added."""
+    import dataclasses
+
+    for section in cfg:
+        node = cfg[section]
+        if section not in schema.root_fields():
+            raise _unknown_key(str(section))
+        node_type = OmegaConf.get_type(node) if isinstance(node, DictConfig) else None
+        if node_type is not None and dataclasses.is_dataclass(node_type):
+            known = {f.name for f in dataclasses.fields(node_type)}
+            for key in node:
+                if key not in known:
+                    raise _unknown_key(f"{section}.{key}")
+
+
+def _from_omegaconf(err: OmegaConfBaseException, source: str) -> ConfigError:
+    key = getattr(err, "full_key", None) or None
+    if isinstance(err, (ConfigAttributeError, ConfigKeyError)) and key:
+        return _unknown_key(key, source)
+    if isinstance(err, ValidationError) and key:
+        message = str(err).splitlines()[0].rstrip(".")
+        return ConfigError(key, f"{message}{source}.")
+    return ConfigError(key, str(err).splitlines()[0] + source)
+
+
+def _translate(err: Exception, recipe: recipes.Recipe | None) -> ConfigError:
+    """Hydra's exception (and the OmegaConf error beneath it) as one ConfigError."""
+    from hydra.errors import MissingConfigException, OverrideParseException
+
+    text = str(err)
+    if isinstance(err, OverrideParseException):
+        return ConfigError(None, f"cannot parse override {err.override!r}.",
+                           "Write overrides as key=value, e.g. train.train_iters=100.")
+    if isinstance(err, MissingConfigException):
+        group = re.search(r"Could not find '([^/']+)/([^']*)'", text)
+        options = re.findall(r"^\t(\S+)$", text, flags=re.M)
+        if group:
+            name, option = group.groups()
+            hint = did_you_mean(option, options) or (f"Options: {', '.join(options)}." if options else None)
+            return ConfigError(name, f"no config group option {option!r}.", hint)
+        return ConfigError(None, text.splitlines()[0])
+    appended = re.search(r"An item is already at '([^']+)'", text)
+    if appended:
+        key = appended.group(1)
+        return ConfigError(key, "already exists in the schema, so '+' cannot add it.", f"Drop the '+': {key}=VALUE.")
+    source = ""
+    if recipe is not None and "recipe/" in text and "override" not in text.split("\n")[0].lower():
+        source = f" in recipe {recipe.path}"
+    cause = err.__cause__
+    while cause is not None and not isinstance(cause, OmegaConfBaseException):
+        cause = cause.__cause__
+    if cause is not None:
+        return _from_omegaconf(cause, source)
+    if isinstance(err, OmegaConfBaseException):
+        return _from_omegaconf(err, source)
+    return ConfigError(None, text.splitlines()[0])
+
+
+def compose(recipe_name: str | None, overrides: list[str], recipes_dirs: list[Path] | None = None) -> DictConfig:
+    """The composed, schema-checked (unresolved) config of one run."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.errors import HydraException
+
+    schema.register()
+    recipe = recipes.find(recipe_name, recipes_dirs) if recipe_name else None
+    if recipe is not None:
+        _check_yaml(recipe.path, str(recipe.path))
+    with tempfile.TemporaryDirectory(prefix="bridge-recipe-") as root:
+        hydra_overrides = list(overrides)
+        if recipe is not None:
+            (Path(root) / "recipe").mkdir()
+            (Path(root) / "recipe" / f"{recipe.name}.yaml").symlink_to(recipe.path)
+            hydra_overrides = [f"hydra.searchpath=[file://{root}]", f"recipe={recipe.name}", *overrides]
+        try:
+            with initialize_config_dir(config_dir=str(recipes.conf_dir()), version_base=None):
+                cfg = hydra_compose("config", overrides=hydra_overrides)
+        except (HydraException, OmegaConfBaseException) as err:
+            raise _translate(err, recipe) from err
+    if "recipe" in cfg:
+        raise ConfigError("recipe", "a recipe file must start with '# @package _global_'.", f"Add it as the first line of {recipe.path}.")
+    _reject_unknown_keys(cfg)
+    try:
+        OmegaConf.resolve(cfg)
+    except OmegaConfBaseException as err:
+        raise _from_omegaconf(err, "") from err
+    return cfg

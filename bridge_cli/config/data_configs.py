@@ -1,0 +1,192 @@
+"""Data sections: dataloader, GPT / mock / finetuning datasets, tokenizer."""
+
+from dataclasses import dataclass
+from typing import Optional
+
+from bridge_cli.config.fields import one_of
+
+
+@dataclass
+class DataloaderConfig:
+    """Settings shared by every dataset's dataloader."""
+
+    dataloader_type: Optional[str] = one_of(None, "single", "cyclic", "external")
+    """Single-pass ('single'), repeating ('cyclic'), or user-built ('external') dataloader."""
+
+    num_workers: int = 8
+    """Dataloader worker processes."""
+
+    data_sharding: bool = True
+    """Shard the data across data-parallel ranks."""
+
+    pin_memory: bool = True
+    """Pin host memory for faster host-to-GPU copies."""
+
+    persistent_workers: bool = False
+    """Keep dataloader workers alive across epochs."""
+
+
+@dataclass
+class GPTDatasetConfig(DataloaderConfig):
+    """Pretraining data from Megatron indexed datasets (megatron-core GPTDatasetConfig, flattened)."""
+
+    random_seed: int = 1234
+    """Seed for all RNG during dataset index building."""
+
+    seq_length: Optional[int] = None
+    """Tokens per sample; must equal the model's seq_length (megatron-core's sequence_length)."""
+
+    blend: Optional[list[str]] = None
+    """Megatron --data-path list: [prefix, ...] or [weight, prefix, weight, prefix, ...]; None means mock data."""
+
+    blend_per_split: Optional[list[Optional[list[str]]]] = None
+    """Three blends (train, valid, test), each like `blend` or None; used instead of `blend` and `split`."""
+
+    split: Optional[str] = "969,30,1"
+    """Comma-separated train,valid,test weights for carving splits out of `blend`."""
+
+    multiple_validation_sets: Optional[bool] = None
+    """Treat each validation blend entry as a separate validation set."""
+
+    full_validation: Optional[bool] = None
+    """Run a full epoch of validation each time validation runs."""
+
+    num_dataset_builder_threads: int = 1
+    """Threads used to build dataset indices."""
+
+    path_to_cache: Optional[str] = None
+    """Directory for reusable dataset index caches (default: next to the data)."""
+
+    mmap_bin_files: bool = True
+    """Memory-map the .bin files instead of reading through file pointers."""
+
+    mid_level_dataset_surplus: float = 0.005
+    """Sample surplus built for mid-level datasets of a multi-source blend."""
+
+    allow_ambiguous_pad_tokens: Optional[bool] = False
+    """Keep pad tokens that share an id with other special tokens unmasked (not recommended)."""
+
+    fast_cache_load: bool = False
+    """Load dataset caches on the fast path; needs path_to_cache with all caches built and no `blend`."""
+
+    defer_npy_index_mmap: bool = False
+    """Defer mmap of the .npy indices to first access; needs path_to_cache with all caches built."""
+
+    reset_position_ids: bool = False
+    """Restart position ids after each end-of-document token."""
+
+    reset_attention_mask: bool = False
+    """Block attention across end-of-document tokens."""
+
+    eod_mask_loss: bool = False
+    """Exclude end-of-document tokens from the loss."""
+
+    create_attention_mask: bool = True
+    """Build attention masks in the dataset; disable when the attention kernel generates them."""
+
+    skip_getting_attention_mask_from_dataset: bool = True
+    """Pass a None attention mask to the model and let the attention backend build it."""
+
+    drop_last_partial_validation_sequence: bool = True
+    """Drop the last partial sequence of the validation split."""
+
+    add_extra_token_to_sequence: bool = True
+    """Draw seq_length + 1 tokens per sample so inputs and shifted labels both have seq_length tokens."""
+
+    object_storage_cache_path: Optional[str] = None
+    """Local cache directory for indices when reading data from S3 or MSC object storage."""
+
+    def check(self) -> list[tuple[str, str]]:
+        """(field, message) for each problem; empty when the section is consistent."""
+        problems = []
+        if self.blend_per_split is not None:
+            if self.blend is not None:
+                problems.append(("blend_per_split", "cannot be combined with blend; set one of them."))
+            if len(self.blend_per_split) != 3:
+                problems.append(
+                    ("blend_per_split", f"needs 3 entries (train, valid, test), got {len(self.blend_per_split)}.")
+                )
+        elif self.blend is not None and self.split is None:
+            problems.append(("split", "must be set when blend is set, e.g. '969,30,1'."))
+        if self.fast_cache_load and self.path_to_cache is None:
+            problems.append(("fast_cache_load", "needs path_to_cache."))
+        if self.fast_cache_load and self.blend is not None:
+            problems.append(("fast_cache_load", "cannot be combined with blend; use blend_per_split."))
+        if self.defer_npy_index_mmap and self.path_to_cache is None:
+            problems.append(("defer_npy_index_mmap", "needs path_to_cache."))
+        return problems
+
+
+@dataclass
+class MockGPTDatasetConfig(GPTDatasetConfig):
+    """GPTDatasetConfig that generates random tokens instead of reading files."""
+
+    blend: Optional[list[str]] = None
+    """Always None: mock data reads no files."""
+
+    blend_per_split: Optional[list[Optional[list[str]]]] = None
+    """Always None: mock data reads no files."""
+
+    mock: bool = True
+    """Always True: samples are generated by megatron-core's MockGPTDataset."""
+
+    def check(self) -> list[tuple[str, str]]:
+        """(field, message) for each problem; empty when the section is consistent."""
+        problems = super().check()
+        for name in ("blend", "blend_per_split"):
+            if getattr(self, name) is not None:
+                problems.append((name, "must be None for a mock dataset; use GPTDatasetConfig for real data."))
+        if not self.mock:
+            problems.append(("mock", "must be true for a mock dataset; use GPTDatasetConfig for real data."))
+        return problems
+
+
+@dataclass
+class FinetuningDatasetConfig(DataloaderConfig):
+    """Supervised finetuning data (JSONL prompt/answer files)."""
+
+    dataset_root: Optional[str] = None
+    """Directory holding the training, validation and test JSONL files."""
+
+    seq_length: Optional[int] = None
+    """Tokens per sample; must equal the model's seq_length."""
+
+    seed: int = 1234
+    """Seed for shuffling and sampling the finetuning data."""
+
+    memmap_workers: int = 1
+    """Worker processes used to build the memory-mapped index of the JSONL files."""
+
+    max_train_samples: Optional[int] = None
+    """Cap on training samples drawn from the data (None: no cap)."""
+
+    do_validation: bool = True
+    """Build the validation dataset."""
+
+    do_test: bool = True
+    """Build the test dataset."""
+
+
+@dataclass
+class TokenizerConfig:
+    """Which tokenizer to build and from where."""
+
+    tokenizer_type: Optional[str] = one_of(
+        "NullTokenizer", "NullTokenizer", "HuggingFaceTokenizer", "SentencePieceTokenizer", "ByteLevelTokenizer"
+    )
+    """Tokenizer implementation; NullTokenizer maps integers to themselves and needs vocab_size."""
+
+    tokenizer_model: Optional[str] = None
+    """Local path to the tokenizer files (HuggingFace directory or SentencePiece .model file)."""
+
+    vocab_size: Optional[int] = None
+    """Vocabulary size of the NullTokenizer; ignored by tokenizers that carry their own vocabulary."""
+
+    make_vocab_size_divisible_by: int = 128
+    """Pad the model's embedding vocabulary up to a multiple of this value."""
+
+    vocab_extra_ids: int = 0
+    """Extra sentinel tokens to add to the vocabulary."""
+
+    trust_remote_code: bool = False
+    """Allow a HuggingFace tokenizer to run code shipped with its files."""

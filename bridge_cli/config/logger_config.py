@@ -1,0 +1,80 @@
+"""Logger section: console, TensorBoard and Weights & Biases logging."""
+
+from dataclasses import dataclass
+from typing import Optional
+
+from bridge_cli.config.fields import one_of
+
+
+@dataclass
+class LoggerConfig:
+    """Console, TensorBoard and Weights & Biases logging."""
+
+    log_interval: int = 100
+    """Iterations between loss and timing reports."""
+
+    log_params_norm: bool = False
+    """Compute and log the parameter norm."""
+
+    log_throughput: bool = False
+    """Compute and log throughput per GPU."""
+
+    log_progress: bool = False
+    """Log processed tokens and FLOPs to progress.txt in the checkpoint directory."""
+
+    timing_log_level: int = one_of(0, 0, 1, 2)
+    """Timer granularity: 0 iteration time only, 1 once-per-iteration ops, 2 all ops (adds overhead)."""
+
+    timing_log_option: str = one_of("minmax", "max", "minmax", "all")
+    """Report the max timing across ranks, the min and max, or every rank's timing."""
+
+    tensorboard_dir: Optional[str] = None
+    """Directory for TensorBoard logs (None: no TensorBoard)."""
+
+    tensorboard_log_interval: int = 1
+    """Iterations between TensorBoard reports."""
+
+    tensorboard_queue_size: int = 1000
+    """Pending TensorBoard events held before a flush to disk."""
+
+    log_timers_to_tensorboard: bool = False
+    """Write timers to TensorBoard."""
+
+    log_loss_scale_to_tensorboard: bool = True
+    """Write the loss scale to TensorBoard."""
+
+    log_validation_ppl_to_tensorboard: bool = False
+    """Write validation perplexity to TensorBoard."""
+
+    log_memory_to_tensorboard: bool = False
+    """Write memory usage to TensorBoard."""
+
+    log_world_size_to_tensorboard: bool = False
+    """Write the world size to TensorBoard."""
+
+    wandb_project: Optional[str] = None
+    """Weights & Biases project (None: no W&B logging)."""
+
+    wandb_exp_name: Optional[str] = None
+    """Weights & Biases run name."""
+
+    wandb_save_dir: Optional[str] = None
+    """Local directory for Weights & Biases files."""
+
+    wandb_entity: Optional[str] = None
+    """Weights & Biases entity (user or team)."""
+
+    logging_level: Optional[int] = None
+    """Python logging level, e.g. 20 for INFO (None: leave the default)."""
+
+    filter_warnings: bool = True
+    """Filter out warning messages."""
+
+    modules_to_filter: Optional[list[str]] = None
+    """Logger names whose messages are filtered out."""
+
+    set_level_for_all_loggers: bool = False
+    """Apply logging_level to every logger, not only the framework's own."""
+
+    log_energy: bool = False
+    """Log GPU energy consumption in joules."""

@@ -1,0 +1,227 @@
+"""Runtime sections: RNG, distributed init, rerun state machine, profiling, fault tolerance, stragglers."""
+
+from dataclasses import dataclass
+from typing import Optional
+
+from bridge_cli.config.fields import list_field, one_of
+
+
+@dataclass
+class RNGConfig:
+    """Random number generation."""
+
+    seed: int = 1234
+    """Random seed used for python, numpy, pytorch, and cuda."""
+
+    te_rng_tracker: bool = False
+    """Use Transformer Engine's RNG tracker; required for CUDA graphs."""
+
+    inference_rng_tracker: bool = False
+    """Use a random number generator configured for inference."""
+
+    data_parallel_random_init: bool = False
+    """Initialize parameters randomly per data-parallel rank instead of identically."""
+
+
+@dataclass
+class DistributedInitConfig:
+    """torch.distributed and process-group initialization."""
+
+    distributed_backend: Optional[str] = one_of(None, "nccl", "gloo")
+    """Backend for torch.distributed; None picks nccl when a GPU is visible, else gloo."""
+
+    distributed_timeout_minutes: int = 10
+    """Timeout in minutes for torch.distributed collectives."""
+
+    align_grad_reduce: bool = True
+    """Launch each pipeline stage's gradient reduce independently instead of all at once."""
+
+    local_rank: int = 0
+    """Local rank of this process; torchrun's LOCAL_RANK environment variable overrides it."""
+
+    lazy_init: bool = False
+    """Skip DDP initialization and return a function that completes it (external DDP manager); implies CPU init."""
+
+    use_torch_fsdp2: bool = False
+    """Use torch FSDP2 (experimental; does not work with pipeline parallelism)."""
+
+    nccl_communicator_config_path: Optional[str] = None
+    """YAML file with per-communicator NCCL settings (min_ctas, max_ctas, cga_cluster_size)."""
+
+    use_tp_pp_dp_mapping: bool = False
+    """Order ranks tp-pp-dp instead of tp-dp-pp; do not combine with EP or CP."""
+
+    use_gloo_process_groups: bool = True
+    """Create Gloo process groups alongside NCCL ones."""
+
+    use_sharp: bool = False
+    """Use SHARP for data-parallel collectives (runs a barrier in each DP group to set SHARP targets)."""
+
+    high_priority_stream_groups: Optional[list[str]] = None
+    """Communicator groups whose streams get high priority, to reduce exposed communication."""
+
+    external_gpu_device_mapping: bool = False
+    """GPU visibility is managed externally (e.g. CUDA_VISIBLE_DEVICES): use device 0, not local_rank."""
+
+    enable_megatron_core_experimental: bool = False
+    """Enable experimental Megatron Core features."""
+
+
+@dataclass
+class RerunStateMachineConfig:
+    """Rerun state machine for result validation or determinism statistics."""
+
+    error_injection_rate: int = 0
+    """Inject an unexpected result once every this many validations (0 disables injection)."""
+
+    error_injection_type: str = one_of("transient_error", "correct_result", "transient_error", "persistent_error")
+    """Type of error to inject."""
+
+    rerun_mode: str = one_of("disabled", "disabled", "validate_results", "report_determinism_stats")
+    """Rerun engine mode: off, validate results, or report variability from non-deterministic kernels."""
+
+
+@dataclass
+class ProfilingConfig:
+    """Profiling of the training loop."""
+
+    use_nsys_profiler: bool = False
+    """Open an nsys capture range (run under `nsys profile --capture-range=cudaProfilerApi`)."""
+
+    profile_step_start: int = 10
+    """Global step at which profiling starts."""
+
+    profile_step_end: int = 12
+    """Global step at which profiling stops."""
+
+    use_pytorch_profiler: bool = False
+    """Use the built-in PyTorch profiler (traces viewable in TensorBoard)."""
+
+    profile_ranks: list[int] = list_field(0)
+    """Global ranks to profile."""
+
+    record_memory_history: bool = False
+    """Record CUDA memory history on the last rank."""
+
+    memory_snapshot_path: str = "snapshot.pickle"
+    """Where to dump the memory history pickle."""
+
+    record_shapes: bool = False
+    """Record tensor shapes while profiling."""
+
+    def check(self) -> list[tuple[str, str]]:
+        """(field, message) for each problem; empty when the section is consistent."""
+        problems = []
+        if self.use_pytorch_profiler and self.use_nsys_profiler:
+            problems.append(("use_pytorch_profiler", "use_pytorch_profiler and use_nsys_profiler cannot both be true."))
+        if self.profile_step_start < 0:
+            problems.append(("profile_step_start", f"must be >= 0, got {self.profile_step_start}."))
+        if self.profile_step_end < self.profile_step_start:
+            problems.append(
+                (
+                    "profile_step_end",
+                    f"must be >= profile_step_start ({self.profile_step_start}), got {self.profile_step_end}.",
+                )
+            )
+        return problems
+
+
+@dataclass
+class FaultToleranceConfig:
+    """NVIDIA fault-tolerance package settings (NVIDIA internal use)."""
+
+    enable_ft_package: bool = False
+    """Enable the Fault Tolerance package."""
+
+    calc_ft_timeouts: bool = False
+    """Let the Fault Tolerance package compute its timeouts automatically."""
+
+    simulate_fault: bool = False
+    """Simulate a fault, for testing fault tolerance."""
+
+    simulated_fault_type: str = one_of("random", "rank_hung", "rank_killed", "random")
+    """How the simulated fault behaves; 'random' picks one of the other two."""
+
+    simulated_fault_rank: Optional[int] = None
+    """Rank on which the simulated fault occurs."""
+
+    simulated_fault_base_delay: int = 0
+    """Base delay in seconds before the simulated fault starts; a small random delay is added."""
+
+
+@dataclass
+class StragglerDetectionConfig:
+    """Megatron's built-in GPU straggler detector."""
+
+    log_straggler: bool = False
+    """Track and log stragglers per GPU."""
+
+    enable_straggler_on_startup: bool = True
+    """Enable the straggler detector at startup."""
+
+    straggler_ctrlr_port: int = 65535
+    """Port used to toggle the straggler detector on and off at runtime."""
+
+    straggler_minmax_count: int = 1
+    """Number of ranks to report with the highest and lowest estimated throughput."""
+
+    disable_straggler_on_startup: bool = False
+    """Disable the straggler detector at startup."""
+
+
+@dataclass
+class NVRxStragglerDetectionConfig:
+    """NVIDIA Resiliency Extension straggler detection."""
+
+    enabled: bool = False
+    """Enable NVRx straggler detection."""
+
+    report_time_interval: float = 300.0
+    """Seconds between straggler checks."""
+
+    calc_relative_gpu_perf: bool = True
+    """Compute relative GPU performance scores."""
+
+    calc_individual_gpu_perf: bool = True
+    """Compute individual GPU performance scores."""
+
+    num_gpu_perf_scores_to_print: int = 5
+    """Best and worst scores to print each check (0: print only when stragglers are found)."""
+
+    gpu_relative_perf_threshold: float = 0.7
+    """Relative performance score below which a GPU is a straggler."""
+
+    gpu_individual_perf_threshold: float = 0.7
+    """Individual performance score below which a GPU is a straggler."""
+
+    stop_if_detected: bool = False
+    """Stop training when stragglers are detected."""
+
+    enable_logging: bool = True
+    """Log GPU performance scores."""
+
+    profiling_interval: int = 1
+    """Profiling interval passed to straggler.Detector.initialize."""
+
+    logger_name: str = "megatron_hub.NVRxStragglerDetection"
+    """Logger name for straggler detection messages."""
+
+    def check(self) -> list[tuple[str, str]]:
+        """(field, message) for each problem; empty when the section is consistent or disabled."""
+        if not self.enabled:
+            return []
+        problems = []
+        if not (self.calc_relative_gpu_perf or self.calc_individual_gpu_perf):
+            problems.append(
+                (
+                    "calc_relative_gpu_perf",
+                    "calc_relative_gpu_perf or calc_individual_gpu_perf must be true when enabled.",
+                )
+            )
+        if self.report_time_interval <= 0:
+            problems.append(("report_time_interval", f"must be > 0, got {self.report_time_interval}."))
+        for name in ("gpu_relative_perf_threshold", "gpu_individual_perf_threshold"):
+            value = getattr(self, name)
+            if not 0.0 <= value <= 1.0:
+                problems.append((name, f"must be between 0.0 and 1.0, got {value}."))
+        return problems

@@ -1,0 +1,76 @@
+"""GPTModelProvider: a megatron-core TransformerConfig plus what it takes to build a GPTModel."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+@dataclass
+class GPTModelProvider(TransformerConfig):
+    """Every megatron-core TransformerConfig field, plus the GPTModel constructor's arguments."""
+
+    spec: Optional[str] = None
+    """Layer spec: te (Transformer Engine), local (megatron-core's own) or torch (SDPA); None picks te if importable, else torch."""
+
+    vocab_size: Optional[int] = None
+    """Tokenizer vocabulary size before padding; the mock dataset and the null tokenizer use it too."""
+
+    make_vocab_size_divisible_by: int = 128
+    """Pad the embedding rows to a multiple of this times the tensor-parallel size, as Megatron-LM does."""
+
+    seq_length: int = 1024
+    """Maximum sequence length the model is built for (positional embeddings, RoPE cache)."""
+
+    position_embedding_type: Literal["learned_absolute", "rope", "none"] = "learned_absolute"
+    """Position embedding: learned_absolute (GPT-2), rope (Llama) or none."""
+
+    rotary_base: int = 10000
+    """RoPE base period (Llama 3: 500000)."""
+
+    rotary_percent: float = 1.0
+    """Fraction of each head's channels that RoPE rotates."""
+
+    seq_len_interpolation_factor: Optional[float] = None
+    """Linear RoPE interpolation factor for longer contexts; None disables it."""
+
+    share_embeddings_and_output_weights: bool = True
+    """Tie the input embedding and the output projection (GPT-2, Llama-3.2-1B) or not (Llama-3-8B)."""
+
+    fp16_lm_cross_entropy: bool = False
+    """Compute the language-model cross entropy in fp16 instead of fp32."""
+
+    parallel_output: bool = True
+    """Keep the logits split across tensor-parallel ranks (the vocab-parallel loss needs this)."""
+
+    @property
+    def padded_vocab_size(self) -> int:
+        multiple = self.make_vocab_size_divisible_by * self.tensor_model_parallel_size
+        return int(math.ceil(self.vocab_size / multiple) * multiple)
+
+    def provide(self, pre_process: bool = True, post_process: bool = True, vp_stage: Optional[int] = None):
+        """Build one megatron-core GPTModel (one pipeline stage) from this config."""
+        from megatron.core.models.gpt import GPTModel
+
+        from bridge_cli.models.specs import default_spec_name, layer_spec
+
+        kwargs = {"vp_stage": vp_stage} if vp_stage is not None else {}
+        return GPTModel(
+            config=self,
+            transformer_layer_spec=layer_spec(self.spec or default_spec_name(), self),
+            vocab_size=self.padded_vocab_size,
+            max_sequence_length=self.seq_length,
+            pre_process=pre_process,
+            post_process=post_process,
+            fp16_lm_cross_entropy=self.fp16_lm_cross_entropy,
+            parallel_output=self.parallel_output,
+            share_embeddings_and_output_weights=self.share_embeddings_and_output_weights,
+            position_embedding_type=self.position_embedding_type,
+            rotary_percent=self.rotary_percent,
+            rotary_base=self.rotary_base,
+            seq_len_interpolation_factor=self.seq_len_interpolation_factor,
+            **kwargs,
+        )
