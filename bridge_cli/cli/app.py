@@ -44,10 +44,12 @@ def is_rank_zero() -> bool:
 
 def quiet_known_warnings() -> None:
     """megatron-core warns on import that Transformer Engine is absent; bridge says which spec it uses instead."""
+    import logging
     import warnings
 
-    for message in ("Transformer Engine and Apex are not installed", "full scope is deprecated"):
+    for message in ("Transformer Engine and Apex are not installed", "Apex is not installed", "full scope is deprecated"):
         warnings.filterwarnings("ignore", message=message)
+    logging.getLogger("megatron.core").setLevel(logging.WARNING)
 
 
 def load_config(overrides: list[str] | None, recipes_dir: list[Path] | None, world_size: int | None = None):

@@ -1,0 +1,26 @@
+"""The default forward step for GPT pretraining: one micro-batch through the model, and its loss."""
+
+from __future__ import annotations
+
+import functools
+from typing import Iterator
+
+import torch
+
+from bridge_cli.training.losses import masked_next_token_loss
+from bridge_cli.training.state import GlobalState
+
+
+def get_batch(data_iterator: Iterator, device: torch.device, use_mask: bool) -> dict[str, torch.Tensor]:
+    """The next micro-batch on ``device``, copied without blocking the host."""
+    batch = next(data_iterator)
+    keys = ("tokens", "labels", "loss_mask", "position_ids") + (("attention_mask",) if use_mask else ())
+    return {k: batch[k].to(device, non_blocking=True) for k in keys if k in batch}
+
+
+def forward_step(state: GlobalState, data_iterator: Iterator, model, return_schedule_plan: bool = False):
+    """Forward one micro-batch; return the per-token losses and the function that reduces them."""
+    use_mask = not getattr(state.cfg.dataset, "skip_getting_attention_mask_from_dataset", True)
+    batch = get_batch(data_iterator, state.runtime.device, use_mask)
+    output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"])
+    return output, functools.partial(masked_next_token_loss, batch["loss_mask"])

@@ -1,0 +1,64 @@
+"""pretrain(config, forward_step_func): set up, train, evaluate, tear down."""
+
+from __future__ import annotations
+
+import sys
+
+from bridge_cli.config.errors import ConfigError
+from bridge_cli.training.config import ConfigContainer
+from bridge_cli.training.forward_step_func_types import ForwardStepCallable
+from bridge_cli.training.state import GlobalState
+
+
+def _describe(state: GlobalState, model: list) -> str:
+    cfg, rt = state.cfg, state.runtime
+    m = cfg.model
+    params = sum(p.numel() for chunk in model for p in chunk.parameters())
+    spec = m.spec or "auto"
+    return (f"bridge: {rt.device.type} ({rt.backend}), world {rt.world_size} = TP {m.tensor_model_parallel_size} x "
+            f"PP {m.pipeline_model_parallel_size} x CP {m.context_parallel_size} x DP {cfg.data_parallel_size}; "
+            f"GPTModel {m.num_layers} layers, {params / 1e6:.2f}M parameters on rank {rt.rank} ({spec} spec); "
+            f"{cfg.train.train_iters} iterations x {cfg.train.global_batch_size} samples x {m.seq_length} tokens "
+            f"({cfg.num_microbatches} micro-batches of {cfg.train.micro_batch_size})")
+
+
+def pretrain(config: ConfigContainer, forward_step_func: ForwardStepCallable) -> None:
+    """Train ``config``'s model with ``forward_step_func`` (any signature forward_step_func_types accepts).
+
+    Evaluates on the validation split every ``train.eval_interval`` iterations and on the
+    validation and test splits at the end. Exits the process only when the rerun state machine asks.
+    """
+    from megatron.core.rerun_state_machine import RerunMode, destroy_rerun_state_machine, initialize_rerun_state_machine
+
+    from bridge_cli.runtime.distributed import destroy_distributed
+    from bridge_cli.training.setup import setup
+    from bridge_cli.training.train import _run_evaluation, train
+    from bridge_cli.training.utils.train_utils import is_last_rank
+
+    config.validate()
+    state = GlobalState(cfg=config)
+    if config.rerun_state_machine.rerun_mode != "disabled":
+        raise ConfigError("rerun_state_machine.rerun_mode", "only 'disabled' is supported by this version of bridge.",
+                          "NaN/Inf losses are still detected and reported with their iteration.")
+    initialize_rerun_state_machine(mode=RerunMode.DISABLED)
+    try:
+        out = setup(state)
+        if is_last_rank():
+            print(_describe(state, out.model), flush=True)
+        exit_code = 0
+        if not config.train.skip_train:
+            exit_code = train(forward_step_func, out.model, out.optimizer, out.scheduler, out.train_data_iterator,
+                              out.valid_data_iterator, state, checkpointing_context={})
+        if exit_code:
+            sys.exit(exit_code)
+        from bridge_cli.logging.console import ConsoleLog
+
+        console = ConsoleLog(config.train.train_iters, state.train_state.step, enabled=is_last_rank())
+        for label, iterator, wanted in (("validation", out.valid_data_iterator, config.train.eval_iters > 0),
+                                        ("test", out.test_data_iterator, config.train.eval_iters > 0)):
+            if iterator is not None and wanted:
+                _run_evaluation(state, forward_step_func, iterator, out.model, console,
+                                f"{label} at the end of training (iteration {state.train_state.step})")
+    finally:
+        destroy_rerun_state_machine()
+        destroy_distributed()

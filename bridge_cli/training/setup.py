@@ -1,0 +1,147 @@
+"""Everything before the first step: process groups, seeds, model, optimizer, scheduler, data."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from bridge_cli.runtime.errors import RuntimeUnavailable
+from bridge_cli.training.config import ConfigContainer
+from bridge_cli.training.state import GlobalState
+
+
+@dataclass
+class SetupOutput:
+    model: list
+    optimizer: Any
+    scheduler: Any
+    train_data_iterator: Any
+    valid_data_iterator: Any
+    test_data_iterator: Any
+
+
+def check_device_support(cfg: ConfigContainer, is_cuda: bool) -> None:
+    """Refuse, before any work, what only the GPU path can honour."""
+    if is_cuda:
+        return
+    for flag in ("bf16", "fp16"):
+        if getattr(cfg.model, flag):
+            raise RuntimeUnavailable(
+                f"model.{flag}=true needs CUDA; no GPU is visible. The CPU path trains in fp32: "
+                f"add mixed_precision=fp32 (this recipe picks mixed_precision={cfg.mixed_precision}).")
+
+
+def set_seeds(seed: int, runtime) -> None:
+    """Same seed on every data-parallel replica; megatron-core offsets it per tensor/pipeline rank."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    if runtime.is_cuda:
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def build_model(cfg: ConfigContainer, runtime) -> list:
+    """One GPTModel per (virtual) pipeline stage this rank holds, on the run's device."""
+    from megatron.core import parallel_state
+
+    if not runtime.is_cuda:
+        # megatron-core's GPU init path forks the CUDA RNG tracker; its CPU path builds each full
+        # weight from torch's seed and slices it, so any TP size gets the same model.
+        cfg.model.use_cpu_initialization = True
+    vpp = cfg.model.virtual_pipeline_model_parallel_size
+    chunks = []
+    for vp_stage in range(vpp or 1):
+        stage = vp_stage if vpp else None
+        pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage) if vpp else \
+            parallel_state.is_pipeline_first_stage()
+        post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage) if vpp else \
+            parallel_state.is_pipeline_last_stage()
+        model = cfg.model.provide(pre_process=pre, post_process=post, vp_stage=stage)
+        chunks.append(model.to(runtime.device))
+    return chunks
+
+
+def build_scheduler(cfg: ConfigContainer, optimizer):
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    s, opt = cfg.scheduler, cfg.optimizer
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=s.lr_warmup_init,
+        max_lr=opt.lr,
+        min_lr=opt.min_lr or 0.0,
+        lr_warmup_steps=s.lr_warmup_steps,
+        lr_decay_steps=s.lr_decay_steps,
+        lr_decay_style=s.lr_decay_style,
+        start_wd=s.start_weight_decay if s.start_weight_decay is not None else opt.weight_decay,
+        end_wd=s.end_weight_decay if s.end_weight_decay is not None else opt.weight_decay,
+        wd_incr_steps=s.wd_incr_steps,
+        wd_incr_style=s.weight_decay_incr_style,
+        use_checkpoint_opt_param_scheduler=s.use_checkpoint_opt_param_scheduler,
+        override_opt_param_scheduler=s.override_opt_param_scheduler,
+        wsd_decay_steps=s.wsd_decay_steps,
+        lr_wsd_decay_style=s.lr_wsd_decay_style,
+    )
+
+
+def build_data_iterators(cfg: ConfigContainer, state: GlobalState, n_chunks: int) -> tuple:
+    """Train/valid/test iterators; one copy per model chunk with virtual pipeline stages."""
+    from megatron.core import parallel_state
+
+    from bridge_cli.data.builders import build_datasets, build_iterator
+    from bridge_cli.data.tokenizers import build_tokenizer
+
+    tokenizer = build_tokenizer(cfg.tokenizer, cfg.model.vocab_size)
+    train_ds, valid_ds, test_ds = build_datasets(cfg, tokenizer)
+    dp_rank = parallel_state.get_data_parallel_rank()
+    dp_size = parallel_state.get_data_parallel_world_size()
+    ts = state.train_state
+    pin = state.runtime.is_cuda
+
+    def iterators(dataset, consumed):
+        made = [build_iterator(dataset, cfg, consumed, dp_rank, dp_size, pin) for _ in range(n_chunks)]
+        return made if n_chunks > 1 else made[0]
+
+    return (iterators(train_ds, ts.consumed_train_samples), iterators(valid_ds, ts.consumed_valid_samples),
+            iterators(test_ds, 0))
+
+
+def setup(state: GlobalState, checkpointing_context: Optional[dict] = None) -> SetupOutput:
+    """Initialize this process for ``state.cfg``: distributed, model, optimizer, scheduler, data."""
+    from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
+
+    from bridge_cli.runtime.ddp import configure_grad_sync, wrap_model
+    from bridge_cli.runtime.distributed import init_distributed
+    from bridge_cli.runtime.optimizer import build_optimizer
+
+    cfg = state.cfg
+    check_device_support(cfg, torch.cuda.is_available())
+    m = cfg.model
+    runtime = init_distributed(
+        backend=cfg.dist.distributed_backend or "auto",
+        timeout_minutes=cfg.dist.distributed_timeout_minutes,
+        tensor_model_parallel_size=m.tensor_model_parallel_size,
+        pipeline_model_parallel_size=m.pipeline_model_parallel_size,
+        context_parallel_size=m.context_parallel_size,
+        expert_model_parallel_size=m.expert_model_parallel_size,
+        virtual_pipeline_model_parallel_size=m.virtual_pipeline_model_parallel_size,
+    )
+    state.runtime = runtime
+    cfg.validate(runtime.world_size)
+    set_seeds(cfg.rng.seed, runtime)
+    init_num_microbatches_calculator(runtime.rank, cfg.train.rampup_batch_size, cfg.train.global_batch_size,
+                                     cfg.train.micro_batch_size, cfg.data_parallel_size,
+                                     cfg.train.decrease_batch_size_if_needed)
+    model = wrap_model(build_model(cfg, runtime), cfg.ddp, runtime)
+    optimizer = build_optimizer(cfg.optimizer, model, runtime)
+    configure_grad_sync(model, optimizer, cfg.dist.align_grad_reduce)
+    scheduler = build_scheduler(cfg, optimizer)
+    train_it, valid_it, test_it = build_data_iterators(cfg, state, len(model))
+    return SetupOutput(model, optimizer, scheduler, train_it, valid_it, test_it)

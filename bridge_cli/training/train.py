@@ -1,0 +1,215 @@
+"""The training loop: train() runs train_step() until an exit condition, evaluating on schedule."""
+
+from __future__ import annotations
+
+import gc
+import math
+import time
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from bridge_cli.logging.console import ConsoleLog, IntervalStats
+from bridge_cli.training.forward_step_func_types import ForwardStepCallable, bind_state
+from bridge_cli.training.state import GlobalState
+from bridge_cli.training.utils.train_utils import (
+    grad_norm_is_finite,
+    is_last_rank,
+    num_floating_point_operations,
+    perplexity,
+    reduce_loss_dict,
+)
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss or gradient became NaN/Inf; the message names the iteration."""
+
+
+def train_step(forward_step_func: ForwardStepCallable, data_iterator, model: list, optimizer, scheduler,
+               global_state: GlobalState):
+    """One optimizer step over a global batch.
+
+    Returns (loss_dict, skipped_iter, should_checkpoint, should_exit, exit_code, grad_norm,
+    num_zeros_in_grad), as Megatron-Bridge's train_step does. ``loss_dict`` is empty off the last
+    pipeline stage; its values are device tensors (no host sync here).
+    """
+    from megatron.core import parallel_state
+    from megatron.core.num_microbatches_calculator import get_current_global_batch_size, get_num_microbatches
+    from megatron.core.rerun_state_machine import get_rerun_state_machine
+
+    from bridge_cli.runtime.schedules import get_forward_backward_func
+
+    cfg = global_state.cfg
+    forward_backward = get_forward_backward_func(global_state.runtime)
+    rerun_state_machine = get_rerun_state_machine()
+    while rerun_state_machine.should_run_forward_backward(data_iterator):
+        for chunk in model:
+            chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+        losses_reduced = forward_backward(
+            forward_step_func=bind_state(forward_step_func, global_state),
+            data_iterator=data_iterator,
+            model=model,
+            num_microbatches=get_num_microbatches(),
+            seq_length=cfg.model.seq_length,
+            micro_batch_size=cfg.train.micro_batch_size,
+            decoder_seq_length=cfg.model.seq_length,
+            forward_only=False,
+        )
+    should_checkpoint, should_exit, exit_code = rerun_state_machine.should_checkpoint_and_exit()
+    if should_exit:
+        return {}, True, should_checkpoint, should_exit, exit_code, None, None
+
+    update_successful, grad_norm, num_zeros_in_grad = optimizer.step()
+    if update_successful:
+        scheduler.step(increment=get_current_global_batch_size())
+    if cfg.train.empty_unused_memory_level >= 1 and global_state.runtime.is_cuda:
+        torch.cuda.empty_cache()
+    loss_dict = reduce_loss_dict(losses_reduced) if parallel_state.is_pipeline_last_stage(ignore_virtual=True) else {}
+    return loss_dict, int(not update_successful), should_checkpoint, should_exit, exit_code, grad_norm, num_zeros_in_grad
+
+
+def evaluate(global_state: GlobalState, forward_step_func: ForwardStepCallable, data_iterator, model: list,
+             eval_iters: int, process_non_loss_data_func: Optional[Callable] = None,
+             non_loss_data_func: Optional[Callable] = None) -> tuple[dict[str, float], Any]:
+    """Mean of each reported loss over ``eval_iters`` global batches, and any collected non-loss data."""
+    from megatron.core import parallel_state
+    from megatron.core.num_microbatches_calculator import get_current_global_batch_size, get_num_microbatches
+
+    from bridge_cli.runtime.schedules import get_forward_backward_func
+
+    cfg = global_state.cfg
+    forward_backward = get_forward_backward_func(global_state.runtime)
+    step_func = bind_state(forward_step_func, global_state)
+    fb_args = dict(model=model, num_microbatches=get_num_microbatches(), seq_length=cfg.model.seq_length,
+                   micro_batch_size=cfg.train.micro_batch_size, decoder_seq_length=cfg.model.seq_length,
+                   forward_only=True)
+    for chunk in model:
+        chunk.eval()
+    if cfg.train.manual_gc and cfg.train.manual_gc_eval:
+        gc.collect()
+    totals: dict[str, torch.Tensor] = {}
+    collected = None
+    with torch.no_grad():
+        for _ in range(eval_iters):
+            losses = forward_backward(forward_step_func=step_func, data_iterator=data_iterator, **fb_args)
+            if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+                for key, value in reduce_loss_dict(losses).items():
+                    totals[key] = totals.get(key, 0.0) + value
+            global_state.train_state.consumed_valid_samples += get_current_global_batch_size()
+        if process_non_loss_data_func is not None:
+            if non_loss_data_func is not None:
+                collected = non_loss_data_func(model)
+            else:
+                collected = forward_backward(forward_step_func=step_func, data_iterator=data_iterator,
+                                             collect_non_loss_data=True, **fb_args)
+    if cfg.train.manual_gc and cfg.train.manual_gc_eval:
+        gc.collect()
+    for chunk in model:
+        chunk.train()
+    return {key: float(value) / eval_iters for key, value in totals.items()}, collected
+
+
+def post_training_step_callbacks(model: list, iteration: int, global_state: GlobalState) -> None:
+    """Per-step housekeeping: manual GC, host/device sync, DP weight-hash check."""
+    train_cfg = global_state.cfg.train
+    if train_cfg.manual_gc and train_cfg.manual_gc_interval and iteration % train_cfg.manual_gc_interval == 0:
+        gc.collect()
+    if train_cfg.train_sync_interval and iteration % train_cfg.train_sync_interval == 0 and global_state.runtime.is_cuda:
+        torch.cuda.synchronize()
+    interval = train_cfg.check_weight_hash_across_dp_replicas_interval
+    if interval and iteration % interval == 0:
+        from megatron.core.utils import check_param_hashes_across_dp_replicas
+
+        if not check_param_hashes_across_dp_replicas(model):
+            raise RuntimeError(f"iteration {iteration}: weights differ across data-parallel replicas.")
+
+
+def _should_exit_for_time(global_state: GlobalState) -> bool:
+    minutes = global_state.cfg.train.exit_duration_in_mins
+    if not minutes:
+        return False
+    over = torch.tensor([float(time.time() - global_state.start_time > minutes * 60)],
+                        device=global_state.runtime.device)
+    dist.all_reduce(over, op=dist.ReduceOp.MAX)
+    return bool(over.item())
+
+
+def _run_evaluation(global_state, forward_step_func, valid_data_iterator, model, console, label: str,
+                    process_non_loss_data_func=None, non_loss_data_func=None) -> dict[str, float]:
+    results, collected = evaluate(global_state, forward_step_func, valid_data_iterator, model,
+                                  global_state.cfg.train.eval_iters, process_non_loss_data_func, non_loss_data_func)
+    if process_non_loss_data_func is not None and collected is not None:
+        process_non_loss_data_func(collected, global_state.train_state.step, global_state.tensorboard_logger)
+    if results:
+        console.print(f"{label} | " + " | ".join(f"{k} {v:.6f} | {k} PPL {perplexity(v):.3f}" for k, v in results.items()))
+    return results
+
+
+def train(forward_step_func: ForwardStepCallable, model: list, optimizer, scheduler, train_data_iterator,
+          valid_data_iterator, global_state: GlobalState, checkpointing_context: dict[str, Any],
+          process_non_loss_data_func: Optional[Callable] = None, non_loss_data_func: Optional[Callable] = None) -> int:
+    """Run training to ``train.train_iters`` (or an exit condition); returns the process exit code."""
+    from megatron.core.num_microbatches_calculator import get_current_global_batch_size, update_num_microbatches
+
+    cfg, ts = global_state.cfg, global_state.train_state
+    train_cfg = cfg.train
+    for chunk in model:
+        chunk.train()
+    if train_cfg.manual_gc:
+        gc.disable()
+        gc.collect()
+    console = ConsoleLog(train_cfg.train_iters, ts.step, enabled=is_last_rank())
+    stats = IntervalStats()
+    first_iter, run_started = ts.step, time.time()
+    exit_code = 0
+    try:
+        while ts.step < train_cfg.train_iters:
+            update_num_microbatches(ts.consumed_train_samples, consistency_check=False)
+            batch_size = get_current_global_batch_size()
+            loss_dict, skipped, _, should_exit, step_exit_code, grad_norm, _ = train_step(
+                forward_step_func, train_data_iterator, model, optimizer, scheduler, global_state)
+            if should_exit:
+                exit_code = step_exit_code
+                break
+            ts.step += 1
+            ts.consumed_train_samples += batch_size
+            ts.skipped_train_samples += skipped * batch_size
+            flops = num_floating_point_operations(cfg.model, batch_size)
+            ts.floating_point_operations_so_far += flops
+            if not grad_norm_is_finite(grad_norm) and not cfg.model.fp16:
+                raise TrainingDiverged(
+                    f"iteration {ts.step}: the gradient norm is {grad_norm} (NaN/Inf loss or gradients). "
+                    "Lower optimizer.lr, raise scheduler warmup, or check the data.")
+            stats.add(loss_dict, skipped)
+            post_training_step_callbacks(model, ts.step, global_state)
+
+            if ts.step % cfg.logger.log_interval == 0:
+                loss = console.training_line(
+                    ts.step, stats, ts.consumed_train_samples, optimizer.param_groups[0]["lr"], grad_norm,
+                    optimizer.get_loss_scale().item(), batch_size * cfg.model.seq_length, flops,
+                    dist.get_world_size(), time.time() - run_started, first_iter)
+                if loss is not None and not math.isfinite(loss):
+                    raise TrainingDiverged(f"iteration {ts.step}: the loss is {loss}. Lower optimizer.lr or check the data.")
+                console.advance(ts.step, loss)
+                stats = IntervalStats()
+            else:
+                console.advance(ts.step)
+
+            if (train_cfg.eval_interval and ts.step % train_cfg.eval_interval == 0
+                    and valid_data_iterator is not None and train_cfg.eval_iters > 0):
+                _run_evaluation(global_state, forward_step_func, valid_data_iterator, model, console,
+                                f"validation at iteration {ts.step}", process_non_loss_data_func, non_loss_data_func)
+            if train_cfg.exit_interval and ts.step % train_cfg.exit_interval == 0:
+                console.print(f"exiting at iteration {ts.step} (train.exit_interval={train_cfg.exit_interval})")
+                break
+            if _should_exit_for_time(global_state):
+                console.print(f"exiting at iteration {ts.step}: train.exit_duration_in_mins="
+                              f"{train_cfg.exit_duration_in_mins} reached")
+                break
+    finally:
+        console.close()
+        if train_cfg.manual_gc:
+            gc.enable()
+    return exit_code
