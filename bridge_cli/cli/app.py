@@ -14,6 +14,7 @@ import typer
 
 from bridge_cli.cli import config_cmd, recipes_cmd
 from bridge_cli.cli.errors import handles_user_errors
+from bridge_cli.logging.quiet import quiet_known_noise
 
 app = typer.Typer(
     name="bridge",
@@ -42,19 +43,9 @@ def is_rank_zero() -> bool:
     return os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"
 
 
-def quiet_known_warnings() -> None:
-    """megatron-core warns on import that Transformer Engine is absent; bridge says which spec it uses instead."""
-    import logging
-    import warnings
-
-    for message in ("Transformer Engine and Apex are not installed", "Apex is not installed", "full scope is deprecated"):
-        warnings.filterwarnings("ignore", message=message)
-    logging.getLogger("megatron.core").setLevel(logging.WARNING)
-
-
 def load_config(overrides: list[str] | None, recipes_dir: list[Path] | None, world_size: int | None = None):
     """Compose, convert and validate one run's config; the recipe defaults to the tiny one."""
-    quiet_known_warnings()
+    quiet_known_noise()
     from bridge_cli.config.compose import compose
     from bridge_cli.training.config import ConfigContainer
 

@@ -91,14 +91,19 @@ def _translate(err: Exception, recipe: recipes.Recipe | None) -> ConfigError:
     source = ""
     if recipe is not None and "recipe/" in text and "override" not in text.split("\n")[0].lower():
         source = f" in recipe {recipe.path}"
-    cause = err.__cause__
+    cause = err
     while cause is not None and not isinstance(cause, OmegaConfBaseException):
-        cause = cause.__cause__
-    if cause is not None:
-        return _from_omegaconf(cause, source)
-    if isinstance(err, OmegaConfBaseException):
-        return _from_omegaconf(err, source)
-    return ConfigError(None, text.splitlines()[0])
+        cause = cause.__cause__ or cause.__context__
+    if cause is None:
+        return ConfigError(None, text.splitlines()[0])
+    if recipe is not None and str(getattr(cause, "full_key", "")).split(".")[0] == "recipe":
+        return _missing_package_header(recipe)
+    return _from_omegaconf(cause, source)
+
+
+def _missing_package_header(recipe: recipes.Recipe) -> ConfigError:
+    return ConfigError("recipe", f"{recipe.path} must start with the line '# @package _global_'.",
+                       "Add it so the recipe's keys land at the top level (see `bridge recipes show tiny`).")
 
 
 def compose(recipe_name: str | None, overrides: list[str], recipes_dirs: list[Path] | None = None) -> DictConfig:
@@ -123,7 +128,7 @@ def compose(recipe_name: str | None, overrides: list[str], recipes_dirs: list[Pa
         except (HydraException, OmegaConfBaseException) as err:
             raise _translate(err, recipe) from err
     if "recipe" in cfg:
-        raise ConfigError("recipe", "a recipe file must start with '# @package _global_'.", f"Add it as the first line of {recipe.path}.")
+        raise _missing_package_header(recipe)
     _reject_unknown_keys(cfg)
     try:
         OmegaConf.resolve(cfg)

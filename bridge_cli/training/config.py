@@ -88,6 +88,9 @@ class ConfigContainer:
 
         sections = {name: OmegaConf.to_object(values[name]) for name in SECTIONS}
         sections["dataset"] = OmegaConf.to_object(values["dataset"])
+        if values["model"]["bf16"] and values["model"]["fp16"]:
+            raise ConfigError("model.bf16", "model.bf16 and model.fp16 are mutually exclusive.",
+                              "Pick one precision, e.g. mixed_precision=bf16_mixed.")
         for name, mcore_cls in _MCORE.items():
             sections[name] = mcore_schema.build(name, mcore_cls, OmegaConf.to_container(values[name], resolve=True))
         return cls(**sections, mixed_precision=values.get("mixed_precision"))
@@ -162,9 +165,6 @@ class ConfigContainer:
             raise ConfigError("optimizer.lr", "is not set.", "Set optimizer.lr, e.g. optimizer.lr=3e-4.")
 
     def _check_precision(self) -> None:
-        if self.model.bf16 and self.model.fp16:
-            raise ConfigError("model.bf16", "model.bf16 and model.fp16 are mutually exclusive.",
-                              "Pick one precision, e.g. mixed_precision=bf16_mixed.")
         for flag in ("bf16", "fp16"):
             if getattr(self.model, flag) != getattr(self.optimizer, flag):
                 raise ConfigError(f"optimizer.{flag}", f"differs from model.{flag}.",
@@ -196,7 +196,8 @@ class ConfigContainer:
                 raise ConfigError("dataset.seq_length", f"{data_len} is longer than model.seq_length ({model_len}).",
                                   "Lower dataset.seq_length or raise model.seq_length.")
         elif data_len != model_len:
-            raise ConfigError("dataset.seq_length", f"{data_len} differs from model.seq_length ({model_len}).",
+            relation = "is longer than" if data_len > model_len else "differs from"
+            raise ConfigError("dataset.seq_length", f"{data_len} {relation} model.seq_length ({model_len}).",
                               "Set them equal (the dataset follows the model by default).")
 
     def _derive_scheduler_steps(self) -> None:

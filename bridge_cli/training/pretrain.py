@@ -14,7 +14,9 @@ def _describe(state: GlobalState, model: list) -> str:
     cfg, rt = state.cfg, state.runtime
     m = cfg.model
     params = sum(p.numel() for chunk in model for p in chunk.parameters())
-    spec = m.spec or "auto"
+    from bridge_cli.models.specs import default_spec_name
+
+    spec = m.spec or default_spec_name()
     return (f"bridge: {rt.device.type} ({rt.backend}), world {rt.world_size} = TP {m.tensor_model_parallel_size} x "
             f"PP {m.pipeline_model_parallel_size} x CP {m.context_parallel_size} x DP {cfg.data_parallel_size}; "
             f"GPTModel {m.num_layers} layers, {params / 1e6:.2f}M parameters on rank {rt.rank} ({spec} spec); "
@@ -28,6 +30,7 @@ def pretrain(config: ConfigContainer, forward_step_func: ForwardStepCallable) ->
     Evaluates on the validation split every ``train.eval_interval`` iterations and on the
     validation and test splits at the end. Exits the process only when the rerun state machine asks.
     """
+    from megatron.core.num_microbatches_calculator import destroy_num_microbatches_calculator
     from megatron.core.rerun_state_machine import RerunMode, destroy_rerun_state_machine, initialize_rerun_state_machine
 
     from bridge_cli.runtime.distributed import destroy_distributed
@@ -60,5 +63,6 @@ def pretrain(config: ConfigContainer, forward_step_func: ForwardStepCallable) ->
                 _run_evaluation(state, forward_step_func, iterator, out.model, console,
                                 f"{label} at the end of training (iteration {state.train_state.step})")
     finally:
+        destroy_num_microbatches_calculator()
         destroy_rerun_state_machine()
         destroy_distributed()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -25,14 +26,22 @@ class SetupOutput:
 
 
 def check_device_support(cfg: ConfigContainer, is_cuda: bool) -> None:
-    """Refuse, before any work, what only the GPU path can honour."""
+    """Refuse, before any work and all at once, the settings only the GPU path can honour."""
     if is_cuda:
         return
+    found, fixes = [], []
     for flag in ("bf16", "fp16"):
         if getattr(cfg.model, flag):
-            raise RuntimeUnavailable(
-                f"model.{flag}=true needs CUDA; no GPU is visible. The CPU path trains in fp32: "
-                f"add mixed_precision=fp32 (this recipe picks mixed_precision={cfg.mixed_precision}).")
+            found.append(f"model.{flag}=true")
+            preset = cfg.mixed_precision not in (None, "fp32")
+            fixes.append("mixed_precision=fp32" if preset else f"model.{flag}=false")
+    if cfg.optimizer.use_distributed_optimizer:
+        found.append("optimizer.use_distributed_optimizer=true")
+        fixes.append("optimizer.use_distributed_optimizer=false")
+    if found:
+        raise RuntimeUnavailable(
+            f"{', '.join(found)} need{'s' if len(found) == 1 else ''} CUDA and no GPU is visible. "
+            f"To train on the CPU (fp32, plain optimizer), add: {' '.join(dict.fromkeys(fixes))}")
 
 
 def set_seeds(seed: int, runtime) -> None:
@@ -123,6 +132,10 @@ def setup(state: GlobalState, checkpointing_context: Optional[dict] = None) -> S
 
     cfg = state.cfg
     check_device_support(cfg, torch.cuda.is_available())
+    if torch.cuda.is_available():
+        # Before the CUDA context exists: keeps tensor-parallel communication ordered ahead of the
+        # compute it overlaps with, as Megatron-LM requires.
+        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     m = cfg.model
     runtime = init_distributed(
         backend=cfg.dist.distributed_backend or "auto",

@@ -1,0 +1,24 @@
+"""Silence megatron-core's start-up noise that says nothing actionable to a bridge user."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+_WARNINGS = (
+    "Transformer Engine and Apex are not installed",  # bridge picks the torch spec and says so
+    "Apex is not installed",
+    "full scope is deprecated",  # megatron-core's own default for cuda_graph_scope
+    "CUDA_DEVICE_MAX_CONNECTIONS",  # bridge sets it on CUDA; meaningless on the CPU
+)
+_LOG_LINES = {
+    "megatron.core.rerun_state_machine": "RerunStateMachine initialized",
+    "megatron.core.datasets.gpt_dataset": "because path_to_cache is None",  # mock data has nothing to cache
+}
+
+
+def quiet_known_noise() -> None:
+    for message in _WARNINGS:
+        warnings.filterwarnings("ignore", message=message)
+    for name, fragment in _LOG_LINES.items():
+        logging.getLogger(name).addFilter(lambda record, fragment=fragment: fragment not in record.getMessage())

@@ -1,0 +1,135 @@
+"""Core attention on ``torch.nn.functional.scaled_dot_product_attention``.
+
+The fast path without Transformer Engine: SDPA dispatches to flash / cuDNN kernels on the GPU
+and runs on the CPU. Unlike megatron-core's local ``DotProductAttention`` it materialises no
+``[b, h, s, s]`` score tensor, builds no causal mask, and never forks the CUDA RNG tracker
+(attention dropout is SDPA's ``dropout_p``, drawn from the default generator). The forward
+does no host synchronisation, so it costs nothing per micro-batch beyond the kernel.
+
+Inputs are already split over tensor-parallel ranks by ``linear_qkv``: ``[s, b, heads, d]``
+with this rank's heads and query groups, so the module itself holds no parameters.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.utils import is_layer_window_attention
+
+from bridge_cli.runtime.errors import RuntimeUnavailable
+
+# ``enable_gqa`` (torch 2.5) lets the kernels read each key/value group for several query heads
+# instead of copying it; older torch gets an explicit repeat.
+_SDPA_HAS_GQA = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 5)
+
+
+class SDPAttention(MegatronModule):
+    """Drop-in ``core_attention`` for megatron-core's ``SelfAttention`` (0.16 to 0.19)."""
+
+    def __init__(
+        self,
+        config,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection=None,
+        **unused,
+    ):
+        super().__init__(config=config)
+        _check_supported(config, layer_number)
+        tp_size = _tensor_parallel_size(pg_collection)
+        self.num_attention_heads_per_partition = config.num_attention_heads // tp_size
+        self.num_query_groups_per_partition = max(1, config.num_query_groups // tp_size)
+        self.attn_mask_type = attn_mask_type
+        # Megatron's query-key layer scaling divides the scale by the layer number and
+        # multiplies it back inside the softmax; the product is the plain scale.
+        head_dim = config.kv_channels
+        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        attn_mask_type: AttnMaskType | None = None,
+        attention_bias: torch.Tensor | None = None,
+        packed_seq_params=None,
+        **unused,
+    ) -> torch.Tensor:
+        """``[s, b, heads, d]`` query/key/value to ``[s, b, heads * d_v]`` context."""
+        if packed_seq_params is not None or attention_bias is not None:
+            raise RuntimeUnavailable(
+                "packed sequences and attention bias are not supported by the torch layer spec; "
+                "use model.layer_spec=te (needs transformer_engine)."
+            )
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        repeats = q.shape[1] // k.shape[1]
+        gqa = repeats > 1
+        if gqa and not _SDPA_HAS_GQA:
+            k = k.repeat_interleave(repeats, dim=1)
+            v = v.repeat_interleave(repeats, dim=1)
+            gqa = False
+        mask, causal = _sdpa_mask(attn_mask_type or self.attn_mask_type, attention_mask, q, k)
+        extra = {"enable_gqa": True} if gqa else {}
+        out = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            dropout_p=self.dropout_p if self.training else 0.0,
+            is_causal=causal,
+            scale=self.softmax_scale,
+            **extra,
+        )
+        b, h, s, d = out.shape
+        return out.permute(2, 0, 1, 3).reshape(s, b, h * d)
+
+
+def _sdpa_mask(mask_type: AttnMaskType, attention_mask, q: torch.Tensor, k: torch.Tensor):
+    """SDPA's ``(attn_mask, is_causal)`` for a megatron mask (``True`` = masked out).
+
+    Like Transformer Engine, a causal layer ignores the mask it is given and uses the causal
+    kernel: the GPT data pipeline's mask is the causal one anyway.
+    """
+    causal = mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
+    if mask_type == AttnMaskType.causal or (causal and attention_mask is None):
+        return None, True
+    if attention_mask is None or mask_type == AttnMaskType.no_mask:
+        return None, False
+    keep = ~attention_mask
+    if causal:
+        keep = keep & torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+    return keep, False
+
+
+def _tensor_parallel_size(pg_collection) -> int:
+    tp_group = getattr(pg_collection, "tp", None)
+    if tp_group is not None:
+        return tp_group.size()
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_world_size()
+
+
+def _check_supported(config, layer_number: int) -> None:
+    unsupported = []
+    if config.context_parallel_size > 1:
+        unsupported.append(f"model.context_parallel_size={config.context_parallel_size}")
+    if getattr(config, "softmax_type", "vanilla") != "vanilla":
+        unsupported.append(f"model.softmax_type={config.softmax_type}")
+    if is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number):
+        unsupported.append(f"model.window_size={config.window_size}")
+    if unsupported:
+        raise RuntimeUnavailable(
+            f"{', '.join(unsupported)} is not supported by the torch layer spec's SDPA attention; "
+            "use model.layer_spec=te (needs transformer_engine) or drop the setting."
+        )

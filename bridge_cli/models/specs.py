@@ -1,0 +1,65 @@
+"""Transformer layer specs: which modules a GPTModel layer is built from.
+
+``te``     Transformer Engine's fused modules (megatron-core's TE spec); needs transformer_engine.
+``local``  megatron-core's own modules, ``DotProductAttention`` included. Its attention
+           materialises the full score matrix and needs the CUDA RNG tracker, so it is slower
+           than ``torch`` on the GPU and does not run on the CPU.
+``torch``  ``local`` with core attention on ``F.scaled_dot_product_attention``
+           (:class:`~bridge_cli.models.sdpa_attention.SDPAttention`): the fast path without
+           Transformer Engine, and the one that runs on the CPU.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from bridge_cli.runtime.errors import RuntimeUnavailable
+
+if TYPE_CHECKING:
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+SPEC_NAMES = ("te", "local", "torch")
+
+
+def default_spec_name() -> str:
+    """``te`` where Transformer Engine imports, else ``torch``."""
+    return "te" if _transformer_engine_importable() else "torch"
+
+
+def layer_spec(name: str, config: TransformerConfig) -> ModuleSpec:
+    """The layer spec called ``name`` for a GPT model with this ``config``."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    # Only keywords that megatron-core 0.16 to 0.19 all accept.
+    options = dict(
+        num_experts=config.num_moe_experts,
+        moe_grouped_gemm=config.moe_grouped_gemm,
+        qk_layernorm=config.qk_layernorm,
+        multi_latent_attention=config.multi_latent_attention,
+        qk_l2_norm=config.qk_l2_norm,
+    )
+    if name == "te":
+        if not _transformer_engine_importable():
+            raise RuntimeUnavailable(
+                "model.layer_spec=te needs Transformer Engine, which does not import here. "
+                "Install transformer_engine[pytorch] on a CUDA machine, or set "
+                "model.layer_spec=torch."
+            )
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(**options)
+    if name in ("local", "torch"):
+        spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization=config.normalization, **options)
+        if name == "torch":
+            from bridge_cli.models.sdpa_attention import SDPAttention
+
+            spec.submodules.self_attention.submodules.core_attention = SDPAttention
+        return spec
+    raise ValueError(f"model.layer_spec={name!r} is not a layer spec; choose one of {', '.join(SPEC_NAMES)}.")
+
+
+def _transformer_engine_importable() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:  # a broken install raises more than ImportError
+        return False
+    return True

@@ -1,0 +1,68 @@
+"""One optimizer entry point for both devices.
+
+On CUDA this is megatron-core's ``get_megatron_optimizer``, as Megatron-Bridge uses it. On the
+CPU it is the same call after :func:`~bridge_cli.runtime.cpu_patches.apply_cpu_patches`, which
+makes it build fp32 wrappers whose norm, clipping and loss scale run on the CPU (see
+:mod:`bridge_cli.runtime.cpu_optimizer`). Both return a megatron-core ``MegatronOptimizer``:
+``step() -> (update_successful, grad_norm, num_zeros_in_grad)``, ``zero_grad``, ``scale_loss``,
+``get_loss_scale``, ``param_groups`` (what ``OptimizerParamScheduler`` drives),
+``state_dict``/``load_state_dict``, ``sharded_state_dict`` and ``reload_model_params``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from bridge_cli.runtime.errors import RuntimeUnavailable
+
+if TYPE_CHECKING:
+    from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig
+
+    from bridge_cli.runtime.distributed import Runtime
+
+
+def build_optimizer(
+    optimizer_config: OptimizerConfig, model_chunks: list, runtime: Runtime
+) -> MegatronOptimizer:
+    """The optimizer for DDP-wrapped ``model_chunks`` (see :func:`bridge_cli.runtime.ddp.wrap_model`)."""
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    if runtime.is_cuda:
+        return get_megatron_optimizer(optimizer_config, model_chunks)
+
+    from bridge_cli.runtime.cpu_optimizer import CPUChainedOptimizer, CPUFP32Optimizer
+    from bridge_cli.runtime.cpu_patches import apply_cpu_patches
+
+    check_cpu_optimizer_config(optimizer_config)
+    apply_cpu_patches()
+    optimizer = get_megatron_optimizer(optimizer_config, model_chunks)
+    members = getattr(optimizer, "chained_optimizers", [optimizer])
+    if not all(isinstance(opt, (CPUChainedOptimizer, CPUFP32Optimizer)) for opt in members):
+        raise RuntimeUnavailable(
+            f"megatron-core built a {type(optimizer).__name__} that needs CUDA; this version of "
+            "megatron-core is not supported on the CPU. Train on a GPU machine."
+        )
+    return optimizer
+
+
+def check_cpu_optimizer_config(config: OptimizerConfig) -> None:
+    """Refuse optimizer settings whose megatron-core implementation only exists on CUDA."""
+    cuda_only = {
+        "optimizer.use_distributed_optimizer": config.use_distributed_optimizer,
+        "optimizer.bf16": config.bf16,
+        "optimizer.fp16": config.fp16,
+        "optimizer.optimizer_cpu_offload": config.optimizer_cpu_offload,
+        "optimizer.use_precision_aware_optimizer": config.use_precision_aware_optimizer,
+    }
+    enabled = [key for key, value in cuda_only.items() if value]
+    if enabled:
+        raise RuntimeUnavailable(
+            f"{', '.join(k + '=true' for k in enabled)} needs CUDA; no GPU is visible. "
+            "On the CPU, megatron-core trains with fp32 weights and a plain (non-distributed) "
+            f"optimizer: set {', '.join(k + '=false' for k in enabled)}."
+        )
+    if config.optimizer not in ("adam", "sgd"):
+        raise RuntimeUnavailable(
+            f"optimizer.optimizer={config.optimizer} is not supported on the CPU; "
+            "use optimizer.optimizer=adam or optimizer.optimizer=sgd."
+        )

@@ -1,0 +1,78 @@
+"""The `bridge` command as a user runs it: help, recipes, user recipes, dry runs."""
+
+from __future__ import annotations
+
+import sys
+
+from tests.conftest import REPO, bridge, run
+
+
+def test_help_lists_every_command_without_importing_torch():
+    result = run(sys.executable, "-c",
+                 "import sys; from bridge_cli.cli.app import main; sys.argv=['bridge','--help']\n"
+                 "try:\n main()\nexcept SystemExit: pass\n"
+                 "assert 'torch' not in sys.modules and 'megatron' not in sys.modules, 'heavy import at start-up'")
+    assert result.returncode == 0, result.stderr
+    for command in ("pretrain", "finetune", "eval", "convert-ckpt", "recipes", "config"):
+        assert command in result.stdout
+
+
+def test_python_dash_m_works_like_the_script():
+    assert "pretrain" in bridge("--help").stdout
+
+
+def test_recipes_list_shows_every_shipped_recipe_with_a_description():
+    result = bridge("recipes", "list")
+    assert result.returncode == 0
+    lines = {line.split()[0]: line for line in result.stdout.splitlines()}
+    assert {"tiny", "gpt2_124m", "llama1b", "llama8b"} <= set(lines)
+    assert all(len(line.split(None, 1)) == 2 for line in lines.values())
+
+
+def test_recipes_show_prints_the_yaml():
+    result = bridge("recipes", "show", "llama8b")
+    assert result.returncode == 0 and "hidden_size: 4096" in result.stdout
+
+
+def test_copied_recipe_is_editable_and_runs_from_a_path(tmp_path):
+    target = tmp_path / "my.yaml"
+    assert bridge("recipes", "cp", "tiny", str(target)).returncode == 0
+    target.write_text(target.read_text().replace("num_layers: 2", "num_layers: 3"))
+    result = bridge("pretrain", f"recipe={target}", "--dry-run")
+    assert result.returncode == 0, result.stderr
+    assert "num_layers: 3" in result.stdout
+    again = bridge("recipes", "cp", "tiny", str(target))
+    assert again.returncode == 2 and "--force" in again.stderr
+
+
+def test_recipes_dir_adds_and_shadows_recipes(tmp_path):
+    (tmp_path / "mine.yaml").write_text((REPO / "recipes" / "tiny.yaml").read_text().replace(
+        "Tiny Llama-style", "My own").replace("hidden_size: 128", "hidden_size: 96"))
+    listed = bridge("recipes", "list", "--recipes-dir", str(tmp_path))
+    assert "mine" in listed.stdout and "My own" in listed.stdout
+    result = bridge("pretrain", "recipe=mine", "--recipes-dir", str(tmp_path), "--dry-run")
+    assert result.returncode == 0 and "hidden_size: 96" in result.stdout
+    env_result = bridge("config", "validate", "recipe=mine", env={"BRIDGE_RECIPES_DIR": str(tmp_path)})
+    assert env_result.returncode == 0, env_result.stderr
+
+
+def test_dry_run_prints_resolved_config_precedence_and_derived_values():
+    result = bridge("pretrain", "recipe=llama8b", "train.train_iters=1000", "--dry-run")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "train_iters: 1000" in out and "hidden_size: 4096" in out and "params_dtype: bfloat16" in out
+    assert "precedence: config groups (conf/) < recipe < command-line overrides" in out
+    for derived in ("world_size: 1", "data_parallel_size: 1", "micro_batches_per_step: 512", "lr_decay_steps:"):
+        assert derived in out
+
+
+def test_dry_run_for_a_given_world_size():
+    result = bridge("pretrain", "recipe=llama8b", "--dry-run", "--world-size", "16",
+                    "model.tensor_model_parallel_size=2", "model.pipeline_model_parallel_size=2")
+    assert result.returncode == 0, result.stderr
+    assert "data_parallel_size: 4" in result.stdout and "micro_batches_per_step: 128" in result.stdout
+
+
+def test_unimplemented_commands_say_so_and_exit_2():
+    result = bridge("convert-ckpt", "import-hf", "a", "b")
+    assert result.returncode == 2 and "not available in this version" in result.stderr

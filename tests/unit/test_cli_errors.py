@@ -1,0 +1,73 @@
+"""Every config mistake gets one short paragraph naming the key, exit code 2, and no traceback."""
+
+from __future__ import annotations
+
+import pytest
+
+
+def assert_user_error(result, *fragments: str) -> None:
+    assert result.exit_code == 2, (result.exit_code, result.output)
+    text = result.stderr
+    assert "Traceback" not in result.output and "Traceback" not in text
+    assert text.startswith("error: ") and text.count("\n") <= 2, text
+    for fragment in fragments:
+        assert fragment.lower() in text.lower(), (fragment, text)
+
+
+@pytest.mark.parametrize("args, fragments", [
+    (["train.train_iter=5"], ["train.train_iter: unknown key", "did you mean train.train_iters"]),
+    (["+train.train_iters=5"], ["train.train_iters: already exists", "Drop the '+'"]),
+    (["+train.not_a_field=5"], ["train.not_a_field: unknown key"]),
+    (["train.lr=0.1"], ["train.lr: unknown key", "optimizer.lr"]),
+    (["train.train_iters=abc"], ["train.train_iters", "'abc'", "Integer"]),
+    (["scheduler.lr_decay_style=cosin"], ["scheduler.lr_decay_style: 'cosin' is not allowed", "cosine"]),
+    (["model.normalization=BatchNorm"], ["model.normalization", "LayerNorm, RMSNorm"]),
+    (["model.params_dtype=bf16"], ["model.params_dtype", "bfloat16"]),
+    (["model=lama"], ["model: no config group option 'lama'", "llama"]),
+    (["recipe=tny"], ["recipe: no recipe named 'tny'", "tiny"]),
+    (["recipe=./missing.yaml"], ["recipe: no recipe file at missing.yaml"]),
+    (["model.tensor_model_parallel_size=3", "model.num_attention_heads=6", "model.num_query_groups=3",
+      "--world-size", "4"], ["model.tensor_model_parallel_size", "does not divide the world size (4)"]),
+    (["train.global_batch_size=6"], ["train.global_batch_size: 6 is not a multiple", "micro batch (4)"]),
+    (["dataset.seq_length=256"], ["dataset.seq_length: 256 is longer than model.seq_length (128)"]),
+    (["model.bf16=true", "model.fp16=true"], ["mutually exclusive"]),
+    (["scheduler.lr_warmup_fraction=0.1", "scheduler.lr_warmup_iters=5"], ["mutually exclusive"]),
+    (["profiling.use_pytorch_profiler=true", "profiling.use_nsys_profiler=true"], ["profiling."]),
+    (["train.train_iters=[1"], ["cannot parse override"]),
+])
+def test_config_errors(cli, args, fragments):
+    assert_user_error(cli("config", "validate", *args), *fragments)
+
+
+def test_malformed_recipe_yaml_names_file_and_line(cli, tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("# @package _global_\ntrain:\n  train_iters: 5\n   micro_batch_size: [\n")
+    assert_user_error(cli("config", "validate", f"recipe={bad}"), f"{bad}:4", "malformed YAML")
+
+
+def test_unknown_key_inside_a_recipe_names_the_recipe(cli, tmp_path):
+    bad = tmp_path / "typo.yaml"
+    bad.write_text("# @package _global_\ntrain:\n  train_itrs: 5\n")
+    assert_user_error(cli("config", "validate", f"recipe={bad}"), "train.train_itrs: unknown key", str(bad),
+                      "train.train_iters")
+
+
+def test_recipe_without_package_header_is_explained(cli, tmp_path):
+    bad = tmp_path / "nohead.yaml"
+    bad.write_text("train:\n  train_iters: 5\n")
+    assert_user_error(cli("config", "validate", f"recipe={bad}"), "# @package _global_")
+
+
+def test_pretrain_reports_errors_the_same_way(cli):
+    assert_user_error(cli("pretrain", "train.train_iter=5", "--dry-run"), "did you mean train.train_iters")
+
+
+def test_debug_shows_the_traceback(cli):
+    result = cli("config", "validate", "train.train_iter=5", "--debug")
+    assert result.exit_code != 0 and result.exception is not None
+    assert type(result.exception).__name__ == "ConfigError"
+
+
+def test_valid_config_exits_zero_quietly(cli):
+    result = cli("config", "validate", "recipe=tiny", "train.train_iters=10")
+    assert result.exit_code == 0 and result.output == ""
