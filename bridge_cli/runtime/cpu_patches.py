@@ -14,8 +14,27 @@ available and nothing the second time it runs. Symbol by symbol:
 ``megatron.core.pipeline_parallel.schedules.torch``
     Every schedule allocates its token counter with ``torch.zeros(..., device="cuda")`` and
     ``forward_step`` wraps the forward in ``torch.autocast("cuda")`` when autocast is on. The
-    module's ``torch`` name is replaced by a view of ``torch`` whose ``zeros`` and ``autocast``
-    map ``cuda`` to ``cpu``; all other names resolve to the real ``torch``.
+    module's ``torch`` name is replaced by a view of ``torch`` (:class:`_TorchOnCPU`) whose
+    ``zeros``, ``ones`` and ``autocast`` map ``cuda`` to ``cpu``; every other name is the real
+    one.
+``megatron.core.transformer.utils.torch``
+    The local spec's softmax builds its default causal mask (and the sliding-window one) with
+    ``torch.ones(..., device="cuda")``; the same view of ``torch``, whose ``ones`` maps ``cuda``
+    to ``cpu``.
+``megatron.core.tensor_parallel.random``: ``torch``, ``_get_cuda_rng_state``, ``_set_cuda_rng_state``
+    The CUDA RNG tracker keeps one generator state per parallel role (model-parallel init,
+    dropout under sequence parallelism, the local spec's attention dropout) and activation
+    recomputation saves and restores the device generator; all of it reads and writes the
+    CUDA generator. Redirected to the CPU default generator, the one CPU dropout draws from,
+    so ``model_parallel_cuda_manual_seed``, ``get_cuda_rng_tracker().fork()`` and
+    ``tensor_parallel.checkpoint`` work unchanged.
+``megatron.core.pipeline_parallel.p2p_communication._batched_p2p_ops``
+    With ``batch_p2p_comm`` (the default) a pipeline step posts send-prev, recv-prev,
+    send-next, recv-next as one batch. NCCL groups them; gloo matches them by posting order per
+    peer, so where the previous and next stage are the same rank (2 stages, interleaved) a
+    rank's gradient lands in its peer's activation buffer. Redirected to ``_p2p_ops``, the
+    unbatched path with the same arguments, which orders the pair by rank parity and puts one
+    direction on another communicator; its requests come back as the list callers expect.
 ``megatron.core.optimizer.FP32Optimizer`` and ``megatron.core.optimizer.ChainedOptimizer``
     ``get_megatron_optimizer`` wraps its torch optimizer in these; they keep the loss scale
     on ``cuda`` and compute grad norms, clipping and zero counts with ``cuda`` tensors. The
@@ -39,13 +58,20 @@ def apply_cpu_patches() -> None:
     if _applied or torch.cuda.is_available():
         return
     from megatron.core import optimizer as mcore_optimizer
-    from megatron.core.pipeline_parallel import schedules
+    from megatron.core.pipeline_parallel import p2p_communication, schedules
+    from megatron.core.tensor_parallel import random as mcore_random
+    from megatron.core.transformer import utils as transformer_utils
 
     from bridge_cli.runtime.cpu_optimizer import CPUChainedOptimizer, CPUFP32Optimizer
 
     torch.cuda.current_device = _current_device
     torch.cuda.synchronize = _synchronize
-    schedules.torch = _TorchOnCPU(schedules.torch)
+    schedules.torch = _TorchOnCPU(torch)
+    transformer_utils.torch = _TorchOnCPU(torch)
+    mcore_random.torch = _TorchOnCPU(torch)
+    mcore_random._get_cuda_rng_state = _get_rng_state
+    mcore_random._set_cuda_rng_state = _set_rng_state
+    p2p_communication._batched_p2p_ops = _unbatched(p2p_communication._p2p_ops)
     mcore_optimizer.FP32Optimizer = CPUFP32Optimizer
     mcore_optimizer.ChainedOptimizer = CPUChainedOptimizer
     _applied = True
@@ -59,6 +85,21 @@ def _synchronize(device=None) -> None:
     return None
 
 
+def _get_rng_state(device=None, clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
+    return torch.get_rng_state()
+
+
+def _set_rng_state(new_state: torch.Tensor, device=None, graph_safe: bool = False) -> None:
+    torch.set_rng_state(new_state)
+
+
+def _unbatched(p2p_ops):
+    def batched_p2p_ops(**kwargs) -> list:
+        return list(p2p_ops(**kwargs).values())
+
+    return batched_p2p_ops
+
+
 def _host(device):
     """``device`` with any CUDA device replaced by the CPU."""
     if device is not None and torch.device(device).type == "cuda":
@@ -67,7 +108,28 @@ def _host(device):
 
 
 class _TorchOnCPU(types.ModuleType):
-    """``torch`` as ``schedules`` sees it: CUDA allocations and autocast land on the CPU."""
+    """``torch`` with CUDA allocations, autocast and the CUDA generator landing on the CPU."""
+
+    def __init__(self, real: types.ModuleType):
+        super().__init__(real.__name__, real.__doc__)
+        self._real = real
+        self.cuda = _CudaOnCPU(real.cuda)
+
+    def __getattr__(self, name: str):
+        return getattr(self._real, name)
+
+    def zeros(self, *size, device=None, **kwargs):
+        return self._real.zeros(*size, device=_host(device), **kwargs)
+
+    def ones(self, *size, device=None, **kwargs):
+        return self._real.ones(*size, device=_host(device), **kwargs)
+
+    def autocast(self, device_type: str, *args, **kwargs):
+        return self._real.autocast("cpu" if device_type == "cuda" else device_type, *args, **kwargs)
+
+
+class _CudaOnCPU(types.ModuleType):
+    """``torch.cuda`` whose generator functions act on the CPU default generator."""
 
     def __init__(self, real: types.ModuleType):
         super().__init__(real.__name__, real.__doc__)
@@ -76,8 +138,11 @@ class _TorchOnCPU(types.ModuleType):
     def __getattr__(self, name: str):
         return getattr(self._real, name)
 
-    def zeros(self, *size, device=None, **kwargs):
-        return self._real.zeros(*size, device=_host(device), **kwargs)
+    def get_rng_state(self, device=None) -> torch.Tensor:
+        return torch.get_rng_state()
 
-    def autocast(self, device_type: str, *args, **kwargs):
-        return self._real.autocast("cpu" if device_type == "cuda" else device_type, *args, **kwargs)
+    def set_rng_state(self, new_state: torch.Tensor, device=None) -> None:
+        torch.set_rng_state(new_state)
+
+    def manual_seed(self, seed: int) -> None:
+        torch.manual_seed(seed)

@@ -59,6 +59,7 @@ def set_seeds(seed: int, runtime) -> None:
 def build_model(cfg: ConfigContainer, runtime) -> list:
     """One GPTModel per (virtual) pipeline stage this rank holds, on the run's device."""
     from megatron.core import parallel_state
+    from megatron.core.transformer.module import Float16Module
 
     if not runtime.is_cuda:
         # megatron-core's GPU init path forks the CUDA RNG tracker; its CPU path builds each full
@@ -72,8 +73,11 @@ def build_model(cfg: ConfigContainer, runtime) -> list:
             parallel_state.is_pipeline_first_stage()
         post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage) if vpp else \
             parallel_state.is_pipeline_last_stage()
-        model = cfg.model.provide(pre_process=pre, post_process=post, vp_stage=stage)
-        chunks.append(model.to(runtime.device))
+        model = cfg.model.provide(pre_process=pre, post_process=post, vp_stage=stage).to(runtime.device)
+        if cfg.model.fp16 or cfg.model.bf16:
+            # As Megatron-LM: half-precision weights, fp32 at the loss boundary.
+            model = Float16Module(cfg.model, model)
+        chunks.append(model)
     return chunks
 
 

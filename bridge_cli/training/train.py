@@ -126,6 +126,14 @@ def post_training_step_callbacks(model: list, iteration: int, global_state: Glob
             raise RuntimeError(f"iteration {iteration}: weights differ across data-parallel replicas.")
 
 
+def memory_report(when: str) -> str:
+    """This rank's CUDA memory, in GiB."""
+    gib = 2 ** 30
+    return (f"memory {when} (rank {dist.get_rank()}): allocated {torch.cuda.memory_allocated() / gib:.2f} GiB | "
+            f"peak allocated {torch.cuda.max_memory_allocated() / gib:.2f} GiB | "
+            f"reserved {torch.cuda.memory_reserved() / gib:.2f} GiB")
+
+
 def _should_exit_for_time(global_state: GlobalState) -> bool:
     minutes = global_state.cfg.train.exit_duration_in_mins
     if not minutes:
@@ -184,6 +192,8 @@ def train(forward_step_func: ForwardStepCallable, model: list, optimizer, schedu
                     "Lower optimizer.lr, raise scheduler warmup, or check the data.")
             stats.add(loss_dict, skipped)
             post_training_step_callbacks(model, ts.step, global_state)
+            if ts.step == first_iter + 1 and global_state.runtime.is_cuda:
+                console.print(memory_report("after the first step"))
 
             if ts.step % cfg.logger.log_interval == 0:
                 loss = console.training_line(
@@ -199,8 +209,10 @@ def train(forward_step_func: ForwardStepCallable, model: list, optimizer, schedu
 
             if (train_cfg.eval_interval and ts.step % train_cfg.eval_interval == 0
                     and valid_data_iterator is not None and train_cfg.eval_iters > 0):
+                eval_started = time.time()
                 _run_evaluation(global_state, forward_step_func, valid_data_iterator, model, console,
                                 f"validation at iteration {ts.step}", process_non_loss_data_func, non_loss_data_func)
+                stats.started += time.time() - eval_started  # keep ms/iter and tokens/s about training
             if train_cfg.exit_interval and ts.step % train_cfg.exit_interval == 0:
                 console.print(f"exiting at iteration {ts.step} (train.exit_interval={train_cfg.exit_interval})")
                 break
@@ -208,6 +220,8 @@ def train(forward_step_func: ForwardStepCallable, model: list, optimizer, schedu
                 console.print(f"exiting at iteration {ts.step}: train.exit_duration_in_mins="
                               f"{train_cfg.exit_duration_in_mins} reached")
                 break
+        if global_state.runtime.is_cuda:
+            console.print(memory_report("at the end of training"))
     finally:
         console.close()
         if train_cfg.manual_gc:

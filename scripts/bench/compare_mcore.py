@@ -1,0 +1,82 @@
+"""bridge vs bare megatron-core on the same model, same batch, in one run on one GPU.
+
+    python scripts/bench/compare_mcore.py [--baseline ../shared/bench/mcore_baseline.py] [--steps 12]
+
+Runs shared/bench/mcore_baseline.py (a bare megatron-core loop: SDPA core attention, distributed
+optimizer, bf16) and `bridge pretrain recipe=llama1b` set to the same shape (the 1.5B proxy:
+16 layers, hidden 2048, GQA 32/8, FFN 8192, vocab 128256, seq 4096, micro-batch 1, global
+batch 8, untied embeddings), then prints tokens/s/GPU, model TFLOP/s/GPU, MFU, peak memory,
+ms/step and the ratio bridge / bare. Each run's first --warmup steps are not timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+H100_BF16_PEAK_TFLOPS = 989.0
+ITER_LINE = re.compile(r"^iteration\s+(\d+)/\d+ \| .*?elapsed ms/iter ([0-9.]+) .*?TFLOP/s/gpu ([0-9.]+)", re.M)
+PEAK = re.compile(r"memory at the end of training .*peak allocated ([0-9.]+) GiB")
+
+PROXY_OVERRIDES = [
+    "recipe=llama1b", "model.share_embeddings_and_output_weights=false", "model.spec=torch",
+    "train.micro_batch_size=1", "train.global_batch_size=8", "model.seq_length=4096",
+    "train.eval_iters=0", "logger.log_interval=1", "scheduler.lr_warmup_iters=1", "scheduler.lr_decay_iters=1000",
+    "dataset.num_workers=2",
+]
+
+
+def run(argv: list[str]) -> tuple[str, float]:
+    start = time.time()
+    result = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    if result.returncode:
+        sys.exit(f"{' '.join(argv)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+    return result.stdout, time.time() - start
+
+
+def bare(baseline: Path, steps: int, warmup: int) -> dict:
+    out, wall = run([sys.executable, str(baseline), "--steps", str(steps), "--warmup", str(warmup)])
+    res = json.loads(out.split("RESULT ", 1)[1].splitlines()[0])
+    return {"step_ms": res["step_ms"], "tok_s_gpu": res["tok_s_gpu"], "tflops_gpu": res["tflops_gpu"],
+            "peak_mem_GiB": res["peak_mem_GiB"], "to_first_step_s": res["to_first_step_done_s"], "wall_s": wall}
+
+
+def bridge(steps: int, warmup: int) -> dict:
+    total = steps + warmup
+    out, wall = run([sys.executable, "-m", "bridge_cli", "pretrain", *PROXY_OVERRIDES, f"train.train_iters={total}"])
+    rows = [(int(i), float(ms), float(tf)) for i, ms, tf in ITER_LINE.findall(out) if int(i) > warmup]
+    step_ms = statistics.median(ms for _, ms, _ in rows)
+    tflops = statistics.median(tf for _, _, tf in rows)
+    tokens = 8 * 4096
+    peak = PEAK.search(out)
+    return {"step_ms": round(step_ms, 1), "tok_s_gpu": round(tokens / step_ms * 1000), "tflops_gpu": round(tflops, 1),
+            "peak_mem_GiB": float(peak.group(1)) if peak else float("nan"), "wall_s": wall}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--baseline", type=Path, default=Path(__file__).resolve().parents[3] / "shared/bench/mcore_baseline.py")
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--warmup", type=int, default=3)
+    args = parser.parse_args()
+    results = {"bare mcore": bare(args.baseline, args.steps, args.warmup), "bridge": bridge(args.steps, args.warmup)}
+    print(f"\n{'run':<12} {'ms/step':>8} {'tok/s/gpu':>10} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>9} {'wall s':>7}")
+    for name, r in results.items():
+        mfu = r["tflops_gpu"] / H100_BF16_PEAK_TFLOPS
+        print(f"{name:<12} {r['step_ms']:>8.1f} {r['tok_s_gpu']:>10,} {r['tflops_gpu']:>8.1f} {mfu:>6.1%} "
+              f"{r['peak_mem_GiB']:>9.1f} {r['wall_s']:>7.1f}")
+    b, m = results["bridge"], results["bare mcore"]
+    print(f"{'ratio':<12} {'':>8} {b['tok_s_gpu'] / m['tok_s_gpu']:>10.3f} {'':>8} {'':>6} "
+          f"{b['peak_mem_GiB'] / m['peak_mem_GiB']:>9.3f}   (bridge / bare: tokens/s, peak memory)")
+    print("RESULTS " + json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
