@@ -84,6 +84,11 @@ def _translate(err: Exception, recipe: recipes.Recipe | None) -> ConfigError:
             hint = did_you_mean(option, options) or (f"Options: {', '.join(options)}." if options else None)
             return ConfigError(name, f"no config group option {option!r}.", hint)
         return ConfigError(None, text.splitlines()[0])
+    ambiguous = re.search(r"Ambiguous value for argument '([^=']+)=([^']*)'", text)
+    if ambiguous:
+        key, value = ambiguous.groups()
+        return ConfigError(key, f"{value} reads as a list of runs (a Hydra sweep).",
+                           f"Quote a value that contains commas: \"{key}='{value}'\".")
     appended = re.search(r"An item is already at '([^']+)'", text)
     if appended:
         key = appended.group(1)

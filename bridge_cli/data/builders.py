@@ -88,7 +88,33 @@ def build_datasets(cfg, tokenizer) -> list:
     sizes = dataset_sizes(cfg.train.train_iters, cfg.train.global_batch_size, cfg.train.eval_interval,
                           cfg.train.eval_iters)
     cls = MockGPTDataset if isinstance(cfg.dataset, MockGPTDatasetConfig) else GPTDataset
+    if mcore_config.split_matrix is not None:
+        # A split nobody reads is not built: megatron-core would still count epochs over it.
+        mcore_config.split_matrix = [bounds if size else None for bounds, size in zip(mcore_config.split_matrix, sizes)]
+    if mcore_config.blend is not None:
+        _check_splits_have_documents(mcore_config, sizes)
     return BlendedMegatronDatasetBuilder(cls, sizes, lambda: True, mcore_config).build()
+
+
+_SPLITS = ("train", "validation", "test")
+
+
+def _check_splits_have_documents(mcore_config, sizes: list[int]) -> None:
+    """A split that gets no document of a dataset but must yield samples would make megatron-core
+    loop forever counting epochs; say so instead."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    for prefix in mcore_config.blend[0]:
+        documents = IndexedDataset(prefix, mmap=True).document_indices.shape[0] - 1
+        for name, bounds, size in zip(_SPLITS, mcore_config.split_matrix, sizes):
+            if not size or bounds is None:
+                continue
+            count = int(round(bounds[1] * documents)) - int(round(bounds[0] * documents))
+            if count == 0:
+                raise ConfigError("dataset.split", f"the {name} split ({mcore_config.split}) gets none of the "
+                                  f"{documents} documents of {prefix}.",
+                                  "Give that split a larger share (e.g. \"dataset.split='90,8,2'\") or more data"
+                                  + (", or set train.eval_iters=0." if name != "train" else "."))
 
 
 def build_iterator(dataset, cfg, consumed_samples: int, data_parallel_rank: int, data_parallel_size: int,

@@ -6,8 +6,9 @@ and runs on the CPU. Unlike megatron-core's local ``DotProductAttention`` it mat
 (attention dropout is SDPA's ``dropout_p``, drawn from the default generator). The forward
 does no host synchronisation, so it costs nothing per micro-batch beyond the kernel.
 
-Inputs are already split over tensor-parallel ranks by ``linear_qkv``: ``[s, b, heads, d]``
-with this rank's heads and query groups, so the module itself holds no parameters.
+It is tensor-parallel by construction: ``linear_qkv`` has already split the heads, so the
+inputs are ``[s, b, heads, d]`` with this rank's heads and query groups, and head counts are
+read from them (which also covers MLA's distinct value head size). It holds no parameters.
 """
 
 from __future__ import annotations
@@ -44,9 +45,6 @@ class SDPAttention(MegatronModule):
     ):
         super().__init__(config=config)
         _check_supported(config, layer_number)
-        tp_size = _tensor_parallel_size(pg_collection)
-        self.num_attention_heads_per_partition = config.num_attention_heads // tp_size
-        self.num_query_groups_per_partition = max(1, config.num_query_groups // tp_size)
         self.attn_mask_type = attn_mask_type
         # Megatron's query-key layer scaling divides the scale by the layer number and
         # multiplies it back inside the softmax; the product is the plain scale.
@@ -69,7 +67,7 @@ class SDPAttention(MegatronModule):
         if packed_seq_params is not None or attention_bias is not None:
             raise RuntimeUnavailable(
                 "packed sequences and attention bias are not supported by the torch layer spec; "
-                "use model.layer_spec=te (needs transformer_engine)."
+                "use model.spec=te (needs transformer_engine)."
             )
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         repeats = q.shape[1] // k.shape[1]
@@ -111,15 +109,6 @@ def _sdpa_mask(mask_type: AttnMaskType, attention_mask, q: torch.Tensor, k: torc
     return keep, False
 
 
-def _tensor_parallel_size(pg_collection) -> int:
-    tp_group = getattr(pg_collection, "tp", None)
-    if tp_group is not None:
-        return tp_group.size()
-    from megatron.core import parallel_state
-
-    return parallel_state.get_tensor_model_parallel_world_size()
-
-
 def _check_supported(config, layer_number: int) -> None:
     unsupported = []
     if config.context_parallel_size > 1:
@@ -128,8 +117,12 @@ def _check_supported(config, layer_number: int) -> None:
         unsupported.append(f"model.softmax_type={config.softmax_type}")
     if is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number):
         unsupported.append(f"model.window_size={config.window_size}")
+    # Both read the attention logits, which SDPA never materialises.
+    for flag in ("qk_clip", "log_max_attention_logit"):
+        if getattr(config, flag, False):
+            unsupported.append(f"model.{flag}=true")
     if unsupported:
         raise RuntimeUnavailable(
             f"{', '.join(unsupported)} is not supported by the torch layer spec's SDPA attention; "
-            "use model.layer_spec=te (needs transformer_engine) or drop the setting."
+            "use model.spec=te (needs transformer_engine) or drop the setting."
         )

@@ -2,11 +2,14 @@
 
 ``te``     Transformer Engine's fused modules (megatron-core's TE spec); needs transformer_engine.
 ``local``  megatron-core's own modules, ``DotProductAttention`` included. Its attention
-           materialises the full score matrix and needs the CUDA RNG tracker, so it is slower
-           than ``torch`` on the GPU and does not run on the CPU.
+           materialises the full ``[b, h, s, s]`` score matrix: on the GPU it is slower than
+           ``torch`` and runs out of memory at long sequences.
 ``torch``  ``local`` with core attention on ``F.scaled_dot_product_attention``
            (:class:`~bridge_cli.models.sdpa_attention.SDPAttention`): the fast path without
-           Transformer Engine, and the one that runs on the CPU.
+           Transformer Engine, and the default on the CPU.
+
+``local`` and ``torch`` normalise with ``torch.nn`` norms (megatron-core's ``WrappedTorchNorm``
+for RMSNorm), which do not support sequence parallelism.
 """
 
 from __future__ import annotations
@@ -42,19 +45,31 @@ def layer_spec(name: str, config: TransformerConfig) -> ModuleSpec:
     if name == "te":
         if not _transformer_engine_importable():
             raise RuntimeUnavailable(
-                "model.layer_spec=te needs Transformer Engine, which does not import here. "
+                "model.spec=te needs Transformer Engine, which does not import here. "
                 "Install transformer_engine[pytorch] on a CUDA machine, or set "
-                "model.layer_spec=torch."
+                "model.spec=torch."
             )
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(**options)
     if name in ("local", "torch"):
         spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization=config.normalization, **options)
+        _check_sequence_parallel(name, spec, config)
         if name == "torch":
             from bridge_cli.models.sdpa_attention import SDPAttention
 
             spec.submodules.self_attention.submodules.core_attention = SDPAttention
         return spec
-    raise ValueError(f"model.layer_spec={name!r} is not a layer spec; choose one of {', '.join(SPEC_NAMES)}.")
+    raise ValueError(f"model.spec={name!r} is not a layer spec; choose one of {', '.join(SPEC_NAMES)}.")
+
+
+def _check_sequence_parallel(name: str, spec: ModuleSpec, config: TransformerConfig) -> None:
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    if config.sequence_parallel and spec.submodules.input_layernorm is WrappedTorchNorm:
+        raise RuntimeUnavailable(
+            f"model.sequence_parallel=true is not supported by the {name} layer spec (its torch "
+            "norms cannot shard the sequence); use model.spec=te or set "
+            "model.sequence_parallel=false."
+        )
 
 
 def _transformer_engine_importable() -> bool:

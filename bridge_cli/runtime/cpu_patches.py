@@ -11,6 +11,10 @@ available and nothing the second time it runs. Symbol by symbol:
 ``torch.cuda.synchronize``
     Called by DDP, pipeline p2p and dist-checkpointing to order work against the GPU stream.
     On the CPU every op is already synchronous; redirected to a no-op.
+``torch.cuda.current_stream``
+    From megatron-core 0.17 on, DDP's ``start_grad_sync`` takes the current stream to wait on
+    CUDA-graph events before every grad all-reduce. Redirected to a stream stand-in whose
+    waits are no-ops, for the same reason as ``synchronize``.
 ``megatron.core.pipeline_parallel.schedules.torch``
     Every schedule allocates its token counter with ``torch.zeros(..., device="cuda")`` and
     ``forward_step`` wraps the forward in ``torch.autocast("cuda")`` when autocast is on. The
@@ -66,6 +70,7 @@ def apply_cpu_patches() -> None:
 
     torch.cuda.current_device = _current_device
     torch.cuda.synchronize = _synchronize
+    torch.cuda.current_stream = _current_stream
     schedules.torch = _TorchOnCPU(torch)
     transformer_utils.torch = _TorchOnCPU(torch)
     mcore_random.torch = _TorchOnCPU(torch)
@@ -83,6 +88,23 @@ def _current_device() -> torch.device:
 
 def _synchronize(device=None) -> None:
     return None
+
+
+class _HostStream:
+    """The CPU's one implicit stream: everything is already ordered."""
+
+    def wait_event(self, event) -> None:
+        return None
+
+    def wait_stream(self, stream) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+
+def _current_stream(device=None) -> _HostStream:
+    return _HostStream()
 
 
 def _get_rng_state(device=None, clone: bool = False, graph_safe: bool = False) -> torch.Tensor:

@@ -98,7 +98,7 @@ def init_distributed(
     )
     return Runtime(
         device=device,
-        backend=backend,
+        backend=dist.get_backend(),
         rank=launch.rank,
         world_size=launch.world_size,
         local_rank=launch.local_rank,

@@ -54,6 +54,8 @@ def pretrain(config: ConfigContainer, forward_step_func: ForwardStepCallable) ->
                               out.valid_data_iterator, state, checkpointing_context={})
         if exit_code:
             sys.exit(exit_code)
+        if state.train_state.step < config.train.train_iters and not config.train.skip_train:
+            return  # exit_interval / exit_duration_in_mins: stop now, as Megatron-LM does
         from bridge_cli.logging.console import ConsoleLog
 
         console = ConsoleLog(config.train.train_iters, state.train_state.step, enabled=is_last_rank())

@@ -52,8 +52,9 @@ def set_seeds(seed: int, runtime) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-    if runtime.is_cuda:
-        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    # Also on the CPU, where cpu_patches backs megatron-core's RNG tracker with the CPU generator:
+    # recompute and the local spec fork that tracker.
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
 def build_model(cfg: ConfigContainer, runtime) -> list:

@@ -19,6 +19,7 @@ from bridge_cli.training.utils.train_utils import (
     num_floating_point_operations,
     perplexity,
     reduce_loss_dict,
+    weights_match_across_dp_replicas,
 )
 
 
@@ -120,9 +121,7 @@ def post_training_step_callbacks(model: list, iteration: int, global_state: Glob
         torch.cuda.synchronize()
     interval = train_cfg.check_weight_hash_across_dp_replicas_interval
     if interval and iteration % interval == 0:
-        from megatron.core.utils import check_param_hashes_across_dp_replicas
-
-        if not check_param_hashes_across_dp_replicas(model):
+        if not weights_match_across_dp_replicas(model, global_state.runtime.device):
             raise RuntimeError(f"iteration {iteration}: weights differ across data-parallel replicas.")
 
 

@@ -62,3 +62,23 @@ def is_last_rank() -> bool:
 
 def grad_norm_is_finite(grad_norm: Optional[float]) -> bool:
     return grad_norm is None or math.isfinite(grad_norm)
+
+
+def weights_match_across_dp_replicas(model: list, device: torch.device) -> bool:
+    """True when every data-parallel replica holds bitwise the same weights (SHA-256 per parameter).
+
+    megatron-core's check_param_hashes_across_dp_replicas allocates on CUDA; this one runs on
+    the run's device, so the CPU path can check too.
+    """
+    import hashlib
+
+    from megatron.core import parallel_state
+
+    digests = [torch.frombuffer(bytearray(hashlib.sha256(p.detach().float().cpu().numpy().tobytes()).digest()),
+                                dtype=torch.uint8)
+               for chunk in model for p in chunk.parameters()]
+    local = torch.stack(digests).to(device)
+    group = parallel_state.get_data_parallel_group()
+    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, local, group=group)
+    return all(torch.equal(local, other) for other in gathered)
