@@ -7,6 +7,7 @@ them, so `bridge --help` and `bridge recipes list` answer at once.
 from __future__ import annotations
 
 import os
+from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -37,6 +38,16 @@ DryRun = Annotated[bool, typer.Option("--dry-run", help="Print the resolved conf
 WorldSize = Annotated[Optional[int], typer.Option(
     "--world-size", help="Process count to validate for (default: $WORLD_SIZE or 1).")]
 Debug = Annotated[bool, typer.Option("--debug", help="Show tracebacks and every rank's output.")]
+
+
+class ResumeMode(str, Enum):
+    auto = "auto"
+    never = "never"
+
+
+Resume = Annotated[ResumeMode, typer.Option(
+    "--resume", help="auto: with checkpoint.save set and checkpoint.load unset, resume from the newest "
+                     "checkpoint in checkpoint.save if there is one. never: only checkpoint.load is loaded.")]
 
 
 def is_rank_zero() -> bool:
@@ -73,16 +84,20 @@ def print_dry_run(recipe: str, container) -> None:
 @app.command()
 @handles_user_errors
 def pretrain(overrides: Overrides = None, recipes_dir: RecipesDir = None, dry_run: DryRun = False,
-             world_size: WorldSize = None, debug: Debug = False) -> None:
+             world_size: WorldSize = None, resume: Resume = ResumeMode.auto, debug: Debug = False) -> None:
     """Pretrain a model: `bridge pretrain recipe=tiny train.train_iters=50`."""
     recipe, container = load_config(overrides, recipes_dir, world_size)
     if dry_run:
         if is_rank_zero():
             print_dry_run(recipe, container)
         return
+    from bridge_cli.checkpoint.load import resolve_resume
     from bridge_cli.training.gpt_step import forward_step
     from bridge_cli.training.pretrain import pretrain as run_pretrain
 
+    for line in resolve_resume(container.checkpoint, resume.value):
+        if is_rank_zero():
+            print(line, flush=True)
     run_pretrain(container, forward_step)
 
 

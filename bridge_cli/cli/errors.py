@@ -16,10 +16,11 @@ def user_errors() -> tuple[type[BaseException], ...]:
 
     Imported lazily so that `bridge --help` does not pay for them.
     """
+    from bridge_cli.checkpoint.errors import CheckpointError
     from bridge_cli.config.errors import ConfigError
     from bridge_cli.runtime.errors import RuntimeUnavailable
 
-    return (ConfigError, RuntimeUnavailable)
+    return (ConfigError, RuntimeUnavailable, CheckpointError)
 
 
 def report(err: BaseException) -> None:

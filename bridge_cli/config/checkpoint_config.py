@@ -16,6 +16,9 @@ class CheckpointConfig:
     save_interval: Optional[int] = None
     """Iterations between persistent checkpoint saves."""
 
+    most_recent_k: int = -1
+    """Keep only the newest k persistent checkpoints in `save` (-1: keep all)."""
+
     save_optim: bool = True
     """Save the optimizer state in checkpoints."""
 
@@ -119,4 +122,19 @@ class CheckpointConfig:
             problems.append(("async_save", "needs save set to a directory."))
         if self.async_save and not self.use_persistent_ckpt_worker:
             problems.append(("async_save", "needs use_persistent_ckpt_worker: true."))
+        if self.most_recent_k == 0 or self.most_recent_k < -1:
+            problems.append(("most_recent_k", f"must be -1 (keep all) or at least 1, got {self.most_recent_k}."))
+        for name in ("save_interval", "non_persistent_save_interval"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                problems.append((name, f"must be at least 1 (or unset), got {getattr(self, name)}."))
+        if self.non_persistent_save_interval is not None and self.non_persistent_ckpt_type != "global":
+            problems.append(("non_persistent_ckpt_type", "must be 'global' when non_persistent_save_interval is set "
+                             "(bridge supports global non-persistent checkpoints only)."))
+        if self.ckpt_format != "torch_dist":
+            problems.append(("ckpt_format", f"{self.ckpt_format!r} is not supported; megatron-core 0.16+ reads "
+                             "and writes torch_dist."))
+        unsupported = {"use_checkpoint_args": self.use_checkpoint_args,
+                       "ckpt_convert_format": self.ckpt_convert_format is not None}
+        problems += [(name, "is not supported by this version of bridge; leave it unset.")
+                     for name, on in unsupported.items() if on]
         return problems

@@ -39,6 +39,10 @@ available and nothing the second time it runs. Symbol by symbol:
     rank's gradient lands in its peer's activation buffer. Redirected to ``_p2p_ops``, the
     unbatched path with the same arguments, which orders the pair by rank parity and puts one
     direction on another communicator; its requests come back as the list callers expect.
+``torch.Tensor.cuda``
+    With tied embeddings and pipeline stages, ``LanguageModule.setup_embeddings_and_output_layer``
+    moves the last stage's copy of the embedding with ``weight.data.cuda()`` before all-reducing
+    it with the first stage's. Without CUDA that call can only raise; it returns the tensor as is.
 ``megatron.core.optimizer.FP32Optimizer`` and ``megatron.core.optimizer.ChainedOptimizer``
     ``get_megatron_optimizer`` wraps its torch optimizer in these; they keep the loss scale
     on ``cuda`` and compute grad norms, clipping and zero counts with ``cuda`` tensors. The
@@ -71,6 +75,7 @@ def apply_cpu_patches() -> None:
     torch.cuda.current_device = _current_device
     torch.cuda.synchronize = _synchronize
     torch.cuda.current_stream = _current_stream
+    torch.Tensor.cuda = _stay_on_cpu
     schedules.torch = _TorchOnCPU(torch)
     transformer_utils.torch = _TorchOnCPU(torch)
     mcore_random.torch = _TorchOnCPU(torch)
@@ -80,6 +85,10 @@ def apply_cpu_patches() -> None:
     mcore_optimizer.FP32Optimizer = CPUFP32Optimizer
     mcore_optimizer.ChainedOptimizer = CPUChainedOptimizer
     _applied = True
+
+
+def _stay_on_cpu(tensor: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    return tensor
 
 
 def _current_device() -> torch.device:

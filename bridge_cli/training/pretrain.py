@@ -28,14 +28,17 @@ def pretrain(config: ConfigContainer, forward_step_func: ForwardStepCallable) ->
     """Train ``config``'s model with ``forward_step_func`` (any signature forward_step_func_types accepts).
 
     Evaluates on the validation split every ``train.eval_interval`` iterations and on the
-    validation and test splits at the end. Exits the process only when the rerun state machine asks.
+    validation and test splits at the end. With ``checkpoint.save``, saves every
+    ``checkpoint.save_interval`` iterations, before an early exit, and once more at the end.
+    Exits the process only when the rerun state machine asks.
     """
     from megatron.core.num_microbatches_calculator import destroy_num_microbatches_calculator
     from megatron.core.rerun_state_machine import RerunMode, destroy_rerun_state_machine, initialize_rerun_state_machine
 
     from bridge_cli.runtime.distributed import destroy_distributed
     from bridge_cli.training.setup import setup
-    from bridge_cli.training.train import _run_evaluation, train
+    from bridge_cli.checkpoint.save import finalize_async_saves
+    from bridge_cli.training.train import _run_evaluation, save_checkpoint_and_time, train
     from bridge_cli.training.utils.train_utils import is_last_rank
 
     config.validate()
@@ -45,17 +48,22 @@ def pretrain(config: ConfigContainer, forward_step_func: ForwardStepCallable) ->
                           "NaN/Inf losses are still detected and reported with their iteration.")
     initialize_rerun_state_machine(mode=RerunMode.DISABLED)
     try:
-        out = setup(state)
+        out = setup(state, checkpointing_context={})
         if is_last_rank():
             print(_describe(state, out.model), flush=True)
-        exit_code = 0
+        exit_code, ts, context = 0, state.train_state, out.checkpointing_context
+        first_step = ts.step
         if not config.train.skip_train:
             exit_code = train(forward_step_func, out.model, out.optimizer, out.scheduler, out.train_data_iterator,
-                              out.valid_data_iterator, state, checkpointing_context={})
+                              out.valid_data_iterator, state, checkpointing_context=context)
         if exit_code:
             sys.exit(exit_code)
+        if config.checkpoint.save and ts.step > first_step and context.get("last_saved_step") != ts.step:
+            save_checkpoint_and_time(state, out.model, out.optimizer, out.scheduler,
+                                     ts.floating_point_operations_so_far, context, train_data_iterator=out.train_data_iterator)
+        finalize_async_saves(context, blocking=True)
         if state.train_state.step < config.train.train_iters and not config.train.skip_train:
-            return  # exit_interval / exit_duration_in_mins: stop now, as Megatron-LM does
+            return  # exit signal, exit_interval, exit_duration_in_mins: stop now, as Megatron-LM does
         from bridge_cli.logging.console import ConsoleLog
 
         console = ConsoleLog(config.train.train_iters, state.train_state.step, enabled=is_last_rank())

@@ -23,6 +23,7 @@ class SetupOutput:
     train_data_iterator: Any
     valid_data_iterator: Any
     test_data_iterator: Any
+    checkpointing_context: dict
 
 
 def check_device_support(cfg: ConfigContainer, is_cuda: bool) -> None:
@@ -38,6 +39,9 @@ def check_device_support(cfg: ConfigContainer, is_cuda: bool) -> None:
     if cfg.optimizer.use_distributed_optimizer:
         found.append("optimizer.use_distributed_optimizer=true")
         fixes.append("optimizer.use_distributed_optimizer=false")
+    if cfg.checkpoint.async_save:
+        found.append("checkpoint.async_save=true")
+        fixes.append("checkpoint.async_save=false")
     if found:
         raise RuntimeUnavailable(
             f"{', '.join(found)} need{'s' if len(found) == 1 else ''} CUDA and no GPU is visible. "
@@ -128,9 +132,14 @@ def build_data_iterators(cfg: ConfigContainer, state: GlobalState, n_chunks: int
 
 
 def setup(state: GlobalState, checkpointing_context: Optional[dict] = None) -> SetupOutput:
-    """Initialize this process for ``state.cfg``: distributed, model, optimizer, scheduler, data."""
+    """Initialize this process for ``state.cfg``: distributed, model, optimizer, scheduler, checkpoint, data.
+
+    A checkpoint (``checkpoint.load``, ``pretrained_checkpoint``) is loaded before the data
+    iterators are built, so they start at the consumed samples it restores.
+    """
     from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
 
+    from bridge_cli.checkpoint.load import load_checkpoint
     from bridge_cli.runtime.ddp import configure_grad_sync, wrap_model
     from bridge_cli.runtime.distributed import init_distributed
     from bridge_cli.runtime.optimizer import build_optimizer
@@ -161,5 +170,7 @@ def setup(state: GlobalState, checkpointing_context: Optional[dict] = None) -> S
     optimizer = build_optimizer(cfg.optimizer, model, runtime)
     configure_grad_sync(model, optimizer, cfg.dist.align_grad_reduce)
     scheduler = build_scheduler(cfg, optimizer)
+    load_checkpoint(state, model, optimizer, scheduler)
     train_it, valid_it, test_it = build_data_iterators(cfg, state, len(model))
-    return SetupOutput(model, optimizer, scheduler, train_it, valid_it, test_it)
+    return SetupOutput(model, optimizer, scheduler, train_it, valid_it, test_it,
+                       checkpointing_context if checkpointing_context is not None else {})

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import math
+import signal
 import time
 from typing import Any, Callable, Optional
 
@@ -133,14 +134,119 @@ def memory_report(when: str) -> str:
             f"reserved {torch.cuda.memory_reserved() / gib:.2f} GiB")
 
 
-def _should_exit_for_time(global_state: GlobalState) -> bool:
-    minutes = global_state.cfg.train.exit_duration_in_mins
-    if not minutes:
-        return False
-    over = torch.tensor([float(time.time() - global_state.start_time > minutes * 60)],
-                        device=global_state.runtime.device)
-    dist.all_reduce(over, op=dist.ReduceOp.MAX)
-    return bool(over.item())
+def _on_any_rank(flag: bool, device: torch.device) -> bool:
+    """True on every rank when ``flag`` is true on one, so all ranks stop at the same step."""
+    value = torch.tensor([float(flag)], device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
+
+
+class ExitSignal:
+    """Remembers that ``train.exit_signal`` arrived; the loop finishes the step, saves and stops."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        self.received = False
+        self._previous = signal.signal(signum, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.received = True
+
+    def restore(self) -> None:
+        signal.signal(self.signum, self._previous)
+
+
+def should_disable_forward_pre_hook(use_megatron_fsdp: bool, use_distributed_optimizer: bool,
+                                    overlap_param_gather: bool) -> bool:
+    """Whether saving must pause the forward pre-hooks (distributed optimizer gathering params in the forward)."""
+    return not use_megatron_fsdp and use_distributed_optimizer and overlap_param_gather
+
+
+def enable_forward_pre_hook(model: list) -> None:
+    for chunk in model:
+        chunk.enable_forward_pre_hook()
+
+
+def disable_forward_pre_hook(model: list, param_sync: bool = True) -> None:
+    for chunk in model:
+        chunk.disable_forward_pre_hook(param_sync=param_sync)
+
+
+def save_checkpoint_and_time(state: GlobalState, model: list, optimizer, opt_param_scheduler,
+                             num_floating_point_operations_so_far: float, checkpointing_context: dict[str, Any],
+                             non_persistent_ckpt: bool = False, train_data_iterator=None) -> None:
+    """Save a checkpoint of the current step (see bridge_cli.checkpoint.save) and print where and how long.
+
+    ``num_floating_point_operations_so_far`` is what the checkpoint records as the FLOPs so far;
+    the data position is the consumed-sample count, so ``train_data_iterator`` needs no state of its own.
+    """
+    from bridge_cli.checkpoint.save import save_checkpoint
+
+    ddp = state.cfg.ddp
+    toggle_hooks = should_disable_forward_pre_hook(ddp.use_megatron_fsdp, ddp.use_distributed_optimizer,
+                                                   ddp.overlap_param_gather)
+    if toggle_hooks:
+        disable_forward_pre_hook(model)
+    started = time.time()
+    state.train_state.floating_point_operations_so_far = num_floating_point_operations_so_far
+    path = save_checkpoint(state, model, optimizer, opt_param_scheduler, checkpointing_context,
+                           non_persistent=non_persistent_ckpt)
+    if toggle_hooks:
+        enable_forward_pre_hook(model)
+    kind = "non-persistent checkpoint" if non_persistent_ckpt else "checkpoint"
+    how = "started in the background" if state.cfg.checkpoint.async_save else "saved"
+    _say(f"{kind} {path} {how} in {time.time() - started:.2f} s")
+
+
+def checkpoint_and_decide_exit(state: GlobalState, model: list, optimizer, opt_param_scheduler,
+                               num_floating_point_operations_so_far: float, checkpointing_context: dict[str, Any],
+                               train_data_iterator=None) -> bool:
+    """Save when a checkpoint is due after this step; True when the loop must stop.
+
+    In order: an exit signal (save, stop); the persistent, else the non-persistent, save interval;
+    then ``train.exit_duration_in_mins`` and ``train.exit_interval``, which save first unless this
+    step already did. Saving needs ``checkpoint.save``.
+    """
+    from bridge_cli.checkpoint.save import finalize_async_saves
+
+    cfg, step = state.cfg, state.train_state.step
+    ckpt, train_cfg = cfg.checkpoint, cfg.train
+    device = state.runtime.device
+
+    def save(non_persistent: bool = False) -> bool:
+        if ckpt.save:
+            save_checkpoint_and_time(state, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far,
+                                     checkpointing_context, non_persistent, train_data_iterator)
+        return bool(ckpt.save)
+
+    finalize_async_saves(checkpointing_context, blocking=False)
+    exit_signal = checkpointing_context.get("exit_signal")
+    if exit_signal is not None and _on_any_rank(exit_signal.received, device):
+        save()
+        _say(f"exiting at iteration {step}: received {signal.Signals(exit_signal.signum).name}")
+        return True
+    saved = False
+    if ckpt.save_interval and step % ckpt.save_interval == 0:
+        saved = save()
+    elif ckpt.non_persistent_save_interval and step % ckpt.non_persistent_save_interval == 0:
+        saved = save(non_persistent=True)
+    minutes = train_cfg.exit_duration_in_mins
+    if minutes and _on_any_rank(time.time() - state.start_time > minutes * 60, device):
+        if not saved:
+            save()
+        _say(f"exiting at iteration {step}: train.exit_duration_in_mins={minutes} reached")
+        return True
+    if train_cfg.exit_interval and step % train_cfg.exit_interval == 0:
+        if not saved:
+            save()
+        _say(f"exiting at iteration {step} (train.exit_interval={train_cfg.exit_interval})")
+        return True
+    return False
+
+
+def _say(line: str) -> None:
+    if is_last_rank():
+        print(line, flush=True)
 
 
 def _run_evaluation(global_state, forward_step_func, valid_data_iterator, model, console, label: str,
@@ -171,6 +277,8 @@ def train(forward_step_func: ForwardStepCallable, model: list, optimizer, schedu
     stats = IntervalStats()
     first_iter, run_started = ts.step, time.time()
     exit_code = 0
+    if train_cfg.exit_signal_handler:
+        checkpointing_context["exit_signal"] = ExitSignal(train_cfg.exit_signal)
     try:
         while ts.step < train_cfg.train_iters:
             update_num_microbatches(ts.consumed_train_samples, consistency_check=False)
@@ -212,17 +320,17 @@ def train(forward_step_func: ForwardStepCallable, model: list, optimizer, schedu
                 _run_evaluation(global_state, forward_step_func, valid_data_iterator, model, console,
                                 f"validation at iteration {ts.step}", process_non_loss_data_func, non_loss_data_func)
                 stats.started += time.time() - eval_started  # keep ms/iter and tokens/s about training
-            if train_cfg.exit_interval and ts.step % train_cfg.exit_interval == 0:
-                console.print(f"exiting at iteration {ts.step} (train.exit_interval={train_cfg.exit_interval})")
+            checkpoint_started = time.time()
+            if checkpoint_and_decide_exit(global_state, model, optimizer, scheduler, ts.floating_point_operations_so_far,
+                                          checkpointing_context, train_data_iterator):
                 break
-            if _should_exit_for_time(global_state):
-                console.print(f"exiting at iteration {ts.step}: train.exit_duration_in_mins="
-                              f"{train_cfg.exit_duration_in_mins} reached")
-                break
+            stats.started += time.time() - checkpoint_started
         if global_state.runtime.is_cuda:
             console.print(memory_report("at the end of training"))
     finally:
         console.close()
         if train_cfg.manual_gc:
             gc.enable()
+        if "exit_signal" in checkpointing_context:
+            checkpointing_context.pop("exit_signal").restore()
     return exit_code

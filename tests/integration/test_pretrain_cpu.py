@@ -49,6 +49,15 @@ def test_two_processes_match_one(single_process_curve, layout):
     assert ("TP 2" if layout else "DP 2") in result.stdout
 
 
+def test_pipeline_parallel_on_cpu_trains():
+    """PP=2 runs megatron-core's 1F1B schedule over gloo. Its stages seed their layers per stage,
+    as Megatron-LM does, so the curve starts from other weights: it must fall, not match."""
+    result = torchrun(2, "pretrain", *SHORT, "model.pipeline_model_parallel_size=2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    curve = losses(result.stdout)
+    assert "PP 2" in result.stdout and len(curve) == 12 and curve[-1] < 0.8 * curve[0]
+
+
 def test_every_forward_step_signature_and_loss_pattern(single_process_curve):
     result = run(sys.executable, "tests/integration/pretrain_variants.py")
     assert result.returncode == 0, result.stderr[-3000:]

@@ -1,0 +1,188 @@
+"""load_checkpoint(): restore a run from a torch_dist checkpoint, as Megatron-LM / Megatron-Bridge do.
+
+What is restored follows the checkpoint section:
+
+- ``load`` holds a checkpoint: model, optimizer (``load_optim``), scheduler, RNG (``load_rng``)
+  and progress (iteration, consumed samples, FLOPs) are restored; ``ckpt_step`` picks an
+  iteration other than the tracker's.
+- ``finetune``, a ``release`` checkpoint, or ``pretrained_checkpoint`` (used when ``load`` holds
+  no checkpoint): the weights only; the run starts at iteration 0 with a fresh optimizer.
+- ``load`` holds none: training starts from scratch, or, with ``exit_on_missing_checkpoint``,
+  stops with an error.
+
+Model and optimizer tensors reshard to the run's tensor/pipeline/data-parallel layout; RNG states
+are per (pipeline, tensor) rank and are restored only when that layout is unchanged.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch.distributed as dist
+
+from bridge_cli.checkpoint import layout, state_dict, verify
+from bridge_cli.checkpoint.errors import CheckpointError
+from bridge_cli.checkpoint.save import NON_PERSISTENT
+
+
+@dataclass
+class Source:
+    """The checkpoint to load and how much of it."""
+
+    found: layout.Found
+    weights_only: bool
+    why: str
+
+
+def resolve_resume(ckpt_cfg, mode: str) -> list[str]:
+    """``--resume auto``: resume from ``checkpoint.save`` when ``checkpoint.load`` is unset and a checkpoint is there.
+
+    Sets ``checkpoint.load`` in that case; returns the lines to tell the user (nothing for ``never``).
+    """
+    if mode != "auto" or ckpt_cfg.load is not None or ckpt_cfg.save is None:
+        return []
+    found = layout.find_checkpoint(Path(ckpt_cfg.save))
+    lines = [f"resume: {note}" for note in found.notes]
+    if found.path is None and not _newer_non_persistent(ckpt_cfg, Path(ckpt_cfg.save), -1):
+        return lines + [f"resume: no checkpoint in {ckpt_cfg.save} yet; starting from iteration 0."]
+    ckpt_cfg.load = ckpt_cfg.save
+    return lines + [f"resume: resuming from {ckpt_cfg.save} (--resume auto; --resume never starts from scratch)."]
+
+
+def load_checkpoint(state, model: list, optimizer, scheduler) -> Optional[Path]:
+    """Restore what ``state.cfg.checkpoint`` asks for; returns the folder loaded, or None."""
+    source = choose_source(state.cfg.checkpoint, state.cfg.checkpoint.load)
+    if source is None:
+        return None
+    for note in source.found.notes:
+        _say(note)
+    path = source.found.path
+    loaded_step = _load(state, model, optimizer, scheduler, path, source.weights_only)
+    ts = state.train_state
+    _say(f"loaded checkpoint {path} ({source.why}; iteration {loaded_step}): "
+         + ("weights only, starting at iteration 0" if source.weights_only else
+            f"resuming at iteration {ts.step}, consumed samples {ts.consumed_train_samples}"))
+    return path
+
+
+def choose_source(ckpt, load_dir: Optional[str]) -> Optional[Source]:
+    """Which checkpoint to load (None: start from scratch); raises CheckpointError where the config demands one."""
+    if load_dir is not None:
+        found = layout.find_checkpoint(Path(load_dir), ckpt.ckpt_step)
+        newer = _newer_non_persistent(ckpt, Path(load_dir), found.iteration if found.path else -1)
+        if newer is not None:
+            found = layout.Found(newer.path, newer.iteration, notes=found.notes + newer.notes)
+        if found.path is not None:
+            weights_only = ckpt.finetune or found.release
+            why = "checkpoint.finetune" if ckpt.finetune else ("release checkpoint" if found.release else "checkpoint.load")
+            return Source(found, weights_only, why)
+        if ckpt.pretrained_checkpoint is None:
+            if ckpt.exit_on_missing_checkpoint:
+                raise CheckpointError(f"checkpoint.load={load_dir}: no checkpoint there (no {layout.TRACKER}, "
+                                      "no iter_* folder) and checkpoint.exit_on_missing_checkpoint is set. "
+                                      "Check the path, or unset checkpoint.load to start from scratch.")
+            for note in found.notes:
+                _say(note)
+            _say(f"no checkpoint in {load_dir}; starting from iteration 0.")
+            return None
+    if ckpt.pretrained_checkpoint is not None:
+        found = layout.find_checkpoint(Path(ckpt.pretrained_checkpoint))
+        if found.path is None:
+            raise CheckpointError(f"checkpoint.pretrained_checkpoint={ckpt.pretrained_checkpoint}: no checkpoint "
+                                  f"there (no {layout.TRACKER}, no iter_* folder, no metadata.json).")
+        return Source(found, True, "checkpoint.pretrained_checkpoint")
+    return None
+
+
+def _newer_non_persistent(ckpt, load_dir: Path, than: int) -> Optional[layout.Found]:
+    """A global non-persistent checkpoint newer than iteration ``than``, when those are enabled."""
+    if ckpt.non_persistent_ckpt_type != "global" or ckpt.ckpt_step is not None:
+        return None
+    root = Path(ckpt.non_persistent_global_ckpt_dir or load_dir / NON_PERSISTENT)
+    found = layout.find_checkpoint(root)
+    return found if found.path is not None and found.iteration > than else None
+
+
+def _load(state, model: list, optimizer, scheduler, path: Path, weights_only: bool) -> int:
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
+
+    ckpt = state.cfg.checkpoint
+    verify.check_files(path)
+    stored = _read(path, "its metadata", lambda: load_sharded_metadata(str(path)))
+    common = _read(path, "common.pt", lambda: dist_checkpointing.load_common_state_dict(str(path)))
+    if "checkpoint_version" not in common and "iteration" not in common:
+        raise CheckpointError(f"{path} is a torch_dist checkpoint but not one bridge or Megatron-LM wrote "
+                              "(common.pt has no checkpoint_version or iteration).")
+    template = state_dict.model_sharded_state_dict(model, state_dict.content_metadata(state.cfg))
+    verify.check_model_matches(path, template, stored, state.cfg.model, verify.saved_config(path))
+
+    has_optim = any(key.startswith("optimizer.") for key in stored)
+    load_optim = ckpt.load_optim and not weights_only and has_optim
+    if ckpt.load_optim and not weights_only and not has_optim:
+        _say(f"{path} holds no optimizer state (saved with checkpoint.save_optim=false); the optimizer starts fresh.")
+    load_rng = ckpt.load_rng and not weights_only and "rng_state" in stored
+    if load_rng and tuple(stored["rng_state"].global_shape) != state_dict.rng_layout():
+        pp, tp = stored["rng_state"].global_shape
+        _say(f"{path} was saved with pipeline x tensor parallel {pp} x {tp}; the RNG states are not restored "
+             "under this layout (model and optimizer are resharded).")
+        load_rng = False
+
+    sharded = state_dict.build(state, model, optimizer, scheduler, optim=load_optim, rng=load_rng, is_loading=True)
+    with warnings.catch_warnings():
+        # torch's and megatron-core's own deprecation notices about their internals: nothing to act on
+        warnings.filterwarnings("ignore", message=".*(deprecating ShardedTensor|`load_state_dict` is deprecated)",
+                                category=FutureWarning)
+        loaded = _read(path, "its shards", lambda: dist_checkpointing.load(
+            sharded, str(path), _load_strategy(state.cfg, path), strict=ckpt.dist_ckpt_strictness))
+    for key, chunk in zip(state_dict.model_keys(model), state_dict.model_chunks(model)):
+        _read(path, f"the {key} weights", lambda: chunk.load_state_dict(loaded[key], strict=True))
+    if load_optim:
+        _read(path, "the optimizer state", lambda: optimizer.load_state_dict(loaded["optimizer"]))
+    else:
+        # fp32 main copies of half-precision weights follow the loaded weights (or the checkpoint's fp32 ones)
+        optimizer.reload_model_params(state_dict=loaded if ckpt.load_main_params_from_ckpt else None)
+    iteration = int(loaded.get("iteration", 0))
+    if not weights_only:
+        if "train_state" in loaded:
+            state.train_state.load_state_dict(loaded["train_state"])
+        else:  # Megatron-LM: no consumed-sample counter beside the scheduler's
+            state.train_state.step = iteration
+            state.train_state.floating_point_operations_so_far = loaded.get("num_floating_point_operations_so_far", 0.0)
+        if "opt_param_scheduler" in loaded:
+            scheduler.load_state_dict(loaded["opt_param_scheduler"])
+    if load_rng:
+        state_dict.restore_rng_states(loaded["rng_state"][0])
+    dist.barrier()
+    return iteration
+
+
+def _load_strategy(cfg, path: Path):
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
+
+    strategy = get_default_load_sharded_strategy(str(path))
+    if cfg.checkpoint.fully_parallel_load and ps.get_data_parallel_world_size(with_context_parallel=True) > 1:
+        strategy = FullyParallelLoadStrategyWrapper(strategy, ps.get_data_parallel_group(with_context_parallel=True))
+    return strategy
+
+
+def _read(path: Path, what: str, read):
+    """Run ``read``; any failure becomes a CheckpointError naming the checkpoint and the part."""
+    try:
+        return read()
+    except CheckpointError:
+        raise
+    except Exception as err:  # a damaged file surfaces as whatever its reader raises
+        raise CheckpointError(f"{path}: cannot load {what} ({type(err).__name__}: {str(err)[:500]}).") from err
+
+
+def _say(line: str) -> None:
+    from bridge_cli.training.utils.train_utils import is_last_rank
+
+    if is_last_rank():
+        print(f"checkpoint: {line}", flush=True)

@@ -1,0 +1,109 @@
+"""What a checkpoint holds: the sharded state dict handed to megatron-core's dist_checkpointing.
+
+Keys follow Megatron-LM's ``torch_dist`` checkpoints: ``model`` (``model0``, ``model1``, ... with
+virtual pipeline stages), ``optimizer``, ``rng_state``, ``opt_param_scheduler``, ``iteration``,
+``checkpoint_version`` and ``num_floating_point_operations_so_far``. ``train_state`` (bridge's
+progress counters, whose consumed samples are the data position) and ``bridge`` (a marker) are
+added. Model and optimizer tensors are ``ShardedTensor``s with global shapes, so a checkpoint
+loads under another tensor/pipeline/data-parallel layout; everything else lands in ``common.pt``
+except the RNG states, one ``ShardedObject`` per (pipeline, tensor) rank.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import torch
+
+CHECKPOINT_VERSION = 3.0
+FORMAT = "bridge_cli torch_dist v1"
+
+
+def content_metadata(cfg) -> dict[str, Any]:
+    """How model and optimizer state are sharded; saved in the checkpoint, as Megatron-LM does."""
+    metadata: dict[str, Any] = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+    if cfg.optimizer.use_distributed_optimizer:
+        # The layout-independent format: loads under any TP/PP/DP (costs a gather on save).
+        metadata["distrib_optim_sharding_type"] = "fully_reshardable"
+    return metadata
+
+
+def model_chunks(model: list) -> list:
+    """The GPTModels inside megatron-core's DDP and Float16Module wrappers."""
+    from megatron.core.utils import unwrap_model
+
+    return unwrap_model(model)
+
+
+def model_keys(model: list) -> list[str]:
+    return ["model"] if len(model) == 1 else [f"model{i}" for i in range(len(model))]
+
+
+def model_sharded_state_dict(model: list, metadata: dict) -> dict:
+    """``{"model": ...}`` (or ``model0``, ``model1``, ... per virtual pipeline stage)."""
+    return {key: chunk.sharded_state_dict(metadata=metadata) for key, chunk in zip(model_keys(model), model_chunks(model))}
+
+
+def build(state, model: list, optimizer, scheduler, *, optim: bool, rng: bool, is_loading: bool = False) -> dict:
+    """The full sharded state dict of this rank (for saving, or as the template ``load`` fills in)."""
+    cfg, ts = state.cfg, state.train_state
+    metadata = content_metadata(cfg)
+    sharded: dict[str, Any] = {
+        "checkpoint_version": CHECKPOINT_VERSION,
+        "bridge": FORMAT,
+        "iteration": ts.step,
+        "train_state": ts.state_dict(),
+        "num_floating_point_operations_so_far": ts.floating_point_operations_so_far,
+        "opt_param_scheduler": scheduler.state_dict(),
+    }
+    sharded.update(model_sharded_state_dict(model, metadata))
+    if optim:
+        sharded["optimizer"] = optimizer.sharded_state_dict(sharded, is_loading=is_loading, metadata=metadata)
+    if rng:
+        sharded["rng_state"] = rng_sharded_object(state.runtime.is_cuda)
+    return sharded
+
+
+def rng_sharded_object(is_cuda: bool):
+    """This rank's RNG states, keyed by its (pipeline, tensor) rank; data-parallel replicas share one."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    offset = (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank())
+    return ShardedObject("rng_state", [rng_states(is_cuda)], rng_layout(), offset,
+                         replica_id=ps.get_data_parallel_rank(with_context_parallel=True))
+
+
+def rng_layout() -> tuple[int, int]:
+    """(pipeline, tensor) parallel sizes: the grid the RNG states are saved on."""
+    from megatron.core import parallel_state as ps
+
+    return ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size()
+
+
+def rng_states(is_cuda: bool) -> dict[str, Any]:
+    """Python, NumPy, torch (and CUDA) generators plus megatron-core's RNG tracker, as Megatron-LM saves them."""
+    from megatron.core import tensor_parallel
+
+    states = {
+        "random_rng_state": random.getstate(),
+        "np_rng_state": np.random.get_state(),
+        "torch_rng_state": torch.get_rng_state(),
+        "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+    if is_cuda:
+        states["cuda_rng_state"] = torch.cuda.get_rng_state()
+    return states
+
+
+def restore_rng_states(states: dict[str, Any]) -> None:
+    from megatron.core import tensor_parallel
+
+    random.setstate(states["random_rng_state"])
+    np.random.set_state(states["np_rng_state"])
+    torch.set_rng_state(states["torch_rng_state"])
+    if "cuda_rng_state" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state(states["cuda_rng_state"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(states["rng_tracker_states"])
