@@ -106,12 +106,7 @@ def pretrain(overrides: Overrides = None, recipes_dir: RecipesDir = None, dry_ru
 def finetune(overrides: Overrides = None, recipes_dir: RecipesDir = None, dry_run: DryRun = False,
              world_size: WorldSize = None, debug: Debug = False) -> None:
     """Fine-tune from a pretrained checkpoint (checkpoint.pretrained_checkpoint=DIR)."""
-    recipe, container = load_config(overrides, recipes_dir, world_size)
-    if dry_run:
-        if is_rank_zero():
-            print_dry_run(recipe, container)
-        return
-    _not_yet("finetune")
+    _validate_then_not_yet("finetune", overrides, recipes_dir, dry_run, world_size)
 
 
 @app.command("eval")
@@ -119,18 +114,22 @@ def finetune(overrides: Overrides = None, recipes_dir: RecipesDir = None, dry_ru
 def evaluate(overrides: Overrides = None, recipes_dir: RecipesDir = None, dry_run: DryRun = False,
              world_size: WorldSize = None, debug: Debug = False) -> None:
     """Report validation loss and perplexity of a checkpoint (checkpoint.load=DIR)."""
-    recipe, container = load_config(overrides, recipes_dir, world_size)
-    if dry_run:
-        if is_rank_zero():
-            print_dry_run(recipe, container)
-        return
-    _not_yet("eval")
+    _validate_then_not_yet("eval", overrides, recipes_dir, dry_run, world_size)
 
 
 @app.command("convert-ckpt", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def convert_ckpt(direction: Annotated[str, typer.Argument(help="import-hf or export-hf")]) -> None:
     """Convert checkpoints between Hugging Face and megatron-core torch_dist."""
     _not_yet(f"convert-ckpt {direction}")
+
+
+def _validate_then_not_yet(command: str, overrides, recipes_dir, dry_run: bool, world_size) -> None:
+    """A command whose run is not built yet still validates its config (and --dry-run prints it)."""
+    recipe, container = load_config(overrides, recipes_dir, world_size)
+    if not dry_run:
+        _not_yet(command)
+    if is_rank_zero():
+        print_dry_run(recipe, container)
 
 
 def _not_yet(what: str) -> None:

@@ -1,0 +1,94 @@
+"""The reference's metric reports: memory, throughput, runtime estimate, norms.
+
+Each returns a dict of TensorBoard-style names to numbers; the caller writes them.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+MEMORY_KEYS = {
+    "allocated_bytes.all.current": "current_allocated_mem",
+    "active_bytes.all.current": "current_active_mem",
+    "inactive_split_bytes.all.current": "current_inactive_mem",
+    "reserved_bytes.all.current": "current_reserved_mem",
+    "allocated_bytes.all.peak": "peak_allocated_mem",
+    "active_bytes.all.peak": "peak_active_mem",
+    "inactive_split_bytes.all.peak": "peak_inactive_mem",
+    "reserved_bytes.all.peak": "peak_reserved_mem",
+    "num_alloc_retries": "alloc_retries",
+}
+
+
+def report_memory(memory_keys: Optional[dict[str, str]] = None) -> dict:
+    """CUDA memory statistics in GiB (``memory/<name>``); empty without CUDA."""
+    if not torch.cuda.is_available():
+        return {}
+    stats = torch.cuda.memory_stats()
+    report = {}
+    for key, name in (memory_keys or MEMORY_KEYS).items():
+        value = stats.get(key, 0)
+        report[f"memory/{name}"] = value if name == "alloc_retries" else value / 2**30
+    return report
+
+
+def report_throughput(iteration: int, global_batch_size: int, seq_length: int, history_wct: list[float],
+                      window_size: int, world_size: int) -> dict:
+    """Rolling batches/samples/tokens per second over the last ``window_size`` iterations."""
+    if len(history_wct) < window_size + 1 or window_size < 1:
+        return {}
+    elapsed = history_wct[-1] - history_wct[-window_size - 1]
+    batches = window_size / elapsed
+    out = {"throughput/batches_per_sec": batches, "throughput/samples_per_sec": batches * global_batch_size,
+           "throughput/tokens_per_sec": batches * global_batch_size * seq_length}
+    out.update({k.replace("throughput/", "throughput/device/"): v / world_size for k, v in list(out.items())})
+    return out
+
+
+def report_runtime(step: int, consumed_samples: int, start_time: float, seq_length: int, train_iters: int,
+                   start_step: int = 0, time_unit: str = "hours") -> dict:
+    """Time so far, an estimate of the time remaining, and the consumed batches/samples/tokens."""
+    divisor = {"seconds": 1, "minutes": 60, "hours": 3600, "days": 86400}[time_unit]
+    elapsed = time.time() - start_time
+    done = max(step - start_step, 1)
+    return {"time/remaining_estimate": elapsed / done * (train_iters - step) / divisor,
+            "time/total": elapsed / divisor, "time/batches": step, "time/samples": consumed_samples,
+            "time/tokens": consumed_samples * seq_length}
+
+
+def report_l2_norm_grad(model: list) -> dict:
+    """L2 norm of the (reduced) gradients: global and per parameter, ``l2_norm/grad/...``."""
+    norms = {}
+    total = 0.0
+    for chunk in model:
+        for name, param in chunk.named_parameters():
+            grad = getattr(param, "main_grad", None)
+            grad = grad if grad is not None else param.grad
+            if grad is None:
+                continue
+            norm = grad.detach().float().norm().item()
+            norms[f"l2_norm/grad/{name}"] = norm
+            total += norm**2
+    norms["l2_norm/grad/global"] = total**0.5
+    return norms
+
+
+def calc_params_l2_norm(model: list) -> float:
+    """L2 norm of all parameters across the model-parallel group, counting replicated ones once."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+    squares = torch.zeros(1, dtype=torch.float64)
+    for chunk in model:
+        for param in chunk.parameters():
+            shared = getattr(param, "shared", False) and not parallel_state.is_pipeline_first_stage()
+            if param_is_not_tensor_parallel_duplicate(param) and not shared:
+                squares += param.detach().double().pow(2).sum().cpu()
+    device = next(model[0].parameters()).device
+    squares = squares.to(device)
+    dist.all_reduce(squares, group=parallel_state.get_model_parallel_group())
+    return float(squares.sqrt().item())

@@ -1,0 +1,71 @@
+"""profiling.*: PyTorch profiler traces, nsys capture ranges and CUDA memory snapshots for a step window."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from bridge_cli.config.runtime_configs import ProfilingConfig
+from bridge_cli.runtime.errors import RuntimeUnavailable
+
+
+class StepProfiler:
+    """Profiles iterations ``profile_step_start..profile_step_end`` (inclusive) on ``profile_ranks``."""
+
+    def __init__(self, cfg: Optional[ProfilingConfig], rank: int, is_cuda: bool, trace_dir: Optional[str]):
+        self.cfg = cfg
+        self.active = bool(cfg) and rank in cfg.profile_ranks and (
+            cfg.use_pytorch_profiler or cfg.use_nsys_profiler or cfg.record_memory_history)
+        self.torch_profiler = None
+        if not self.active:
+            return
+        if not is_cuda and (cfg.use_nsys_profiler or cfg.record_memory_history):
+            flag = "use_nsys_profiler" if cfg.use_nsys_profiler else "record_memory_history"
+            raise RuntimeUnavailable(f"profiling.{flag}=true needs CUDA and no GPU is visible; "
+                                     "profiling.use_pytorch_profiler=true works on the CPU.")
+        if cfg.use_pytorch_profiler:
+            from torch.profiler import ProfilerActivity, profile, tensorboard_trace_handler
+
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if is_cuda else [])
+            self.torch_profiler = profile(activities=activities, record_shapes=cfg.record_shapes,
+                                          on_trace_ready=tensorboard_trace_handler(trace_dir))
+        if cfg.record_memory_history:
+            torch.cuda.memory._record_memory_history()
+
+    def before_step(self, iteration: int) -> None:
+        """Call with the iteration about to run (1-based)."""
+        if not self.active:
+            return
+        if iteration == self.cfg.profile_step_start:
+            if self.torch_profiler is not None:
+                self.torch_profiler.start()
+            if self.cfg.use_nsys_profiler:
+                torch.cuda.cudart().cudaProfilerStart()
+        if self.cfg.use_nsys_profiler and self._in_window(iteration):
+            torch.cuda.nvtx.range_push(f"iteration {iteration}")
+
+    def after_step(self, iteration: int) -> None:
+        if not self.active:
+            return
+        if self.cfg.use_nsys_profiler and self._in_window(iteration):
+            torch.cuda.nvtx.range_pop()
+        if self.torch_profiler is not None and self._in_window(iteration):
+            self.torch_profiler.step()
+        if iteration == self.cfg.profile_step_end:
+            self.close()
+
+    def close(self) -> None:
+        if not self.active:
+            return
+        self.active = False
+        if self.torch_profiler is not None:
+            self.torch_profiler.stop()
+        if self.cfg.use_nsys_profiler:
+            torch.cuda.cudart().cudaProfilerStop()
+        if self.cfg.record_memory_history:
+            torch.cuda.memory._dump_snapshot(self.cfg.memory_snapshot_path)
+            torch.cuda.memory._record_memory_history(enabled=None)
+
+    def _in_window(self, iteration: int) -> bool:
+        return self.cfg.profile_step_start <= iteration <= self.cfg.profile_step_end
