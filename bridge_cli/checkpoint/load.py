@@ -45,11 +45,11 @@ def resolve_resume(ckpt_cfg, mode: str) -> list[str]:
     if mode != "auto" or ckpt_cfg.load is not None or ckpt_cfg.save is None:
         return []
     found = layout.find_checkpoint(Path(ckpt_cfg.save))
-    lines = [f"resume: {note}" for note in found.notes]
     if found.path is None and not _newer_non_persistent(ckpt_cfg, Path(ckpt_cfg.save), -1):
-        return lines + [f"resume: no checkpoint in {ckpt_cfg.save} yet; starting from iteration 0."]
-    ckpt_cfg.load = ckpt_cfg.save
-    return lines + [f"resume: resuming from {ckpt_cfg.save} (--resume auto; --resume never starts from scratch)."]
+        return [f"resume: {note}" for note in found.notes] + [
+            f"resume: no checkpoint in {ckpt_cfg.save} yet; starting from iteration 0."]
+    ckpt_cfg.load = ckpt_cfg.save  # load_checkpoint reports what the search noticed
+    return [f"resume: resuming from {ckpt_cfg.save} (--resume auto; --resume never starts from scratch)."]
 
 
 def load_checkpoint(state, model: list, optimizer, scheduler) -> Optional[Path]:
@@ -124,9 +124,10 @@ def _load(state, model: list, optimizer, scheduler, path: Path, weights_only: bo
     load_optim = ckpt.load_optim and not weights_only and has_optim
     if ckpt.load_optim and not weights_only and not has_optim:
         _say(f"{path} holds no optimizer state (saved with checkpoint.save_optim=false); the optimizer starts fresh.")
-    load_rng = ckpt.load_rng and not weights_only and "rng_state" in stored
-    if load_rng and tuple(stored["rng_state"].global_shape) != state_dict.rng_layout():
-        pp, tp = stored["rng_state"].global_shape
+    rng = next((v for k, v in stored.items() if k.split("/")[0] == "rng_state"), None)  # rng_state/shard_<offset>_<shape>
+    load_rng = ckpt.load_rng and not weights_only and rng is not None
+    if load_rng and tuple(rng.global_shape) != state_dict.rng_layout():
+        pp, tp = rng.global_shape
         _say(f"{path} was saved with pipeline x tensor parallel {pp} x {tp}; the RNG states are not restored "
              "under this layout (model and optimizer are resharded).")
         load_rng = False

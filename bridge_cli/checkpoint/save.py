@@ -64,7 +64,8 @@ def save_checkpoint(state, model: list, optimizer, scheduler, checkpointing_cont
     else:
         request.add_finalize_fn(finish)
         _async_queue(checkpointing_context, ckpt.use_persistent_ckpt_worker).schedule_async_request(request)
-    checkpointing_context["last_saved_step"] = iteration
+    if not non_persistent:
+        checkpointing_context["last_saved_step"] = iteration
     return layout.checkpoint_dir(root, iteration)
 
 

@@ -12,13 +12,14 @@ import torch
 import torch.distributed as dist
 
 from bridge_cli.logging.console import ConsoleLog, IntervalStats
-from bridge_cli.training.forward_step_func_types import ForwardStepCallable, bind_state
+from bridge_cli.training.forward_step_func_types import ForwardStepCallable
 from bridge_cli.training.state import GlobalState
 from bridge_cli.training.utils.train_utils import (
     grad_norm_is_finite,
     is_last_rank,
     num_floating_point_operations,
     perplexity,
+    prepare_forward_step_func,
     reduce_loss_dict,
     weights_match_across_dp_replicas,
 )
@@ -50,7 +51,7 @@ def train_step(forward_step_func: ForwardStepCallable, data_iterator, model: lis
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
         losses_reduced = forward_backward(
-            forward_step_func=bind_state(forward_step_func, global_state),
+            forward_step_func=forward_step_func,
             data_iterator=data_iterator,
             model=model,
             num_microbatches=get_num_microbatches(),
@@ -83,7 +84,7 @@ def evaluate(global_state: GlobalState, forward_step_func: ForwardStepCallable, 
 
     cfg = global_state.cfg
     forward_backward = get_forward_backward_func(global_state.runtime)
-    step_func = bind_state(forward_step_func, global_state)
+    step_func = prepare_forward_step_func(forward_step_func, global_state)
     fb_args = dict(model=model, num_microbatches=get_num_microbatches(), seq_length=cfg.model.seq_length,
                    micro_batch_size=cfg.train.micro_batch_size, decoder_seq_length=cfg.model.seq_length,
                    forward_only=True)
@@ -266,6 +267,7 @@ def train(forward_step_func: ForwardStepCallable, model: list, optimizer, schedu
     """Run training to ``train.train_iters`` (or an exit condition); returns the process exit code."""
     from megatron.core.num_microbatches_calculator import get_current_global_batch_size, update_num_microbatches
 
+    step_func = prepare_forward_step_func(forward_step_func, global_state)
     cfg, ts = global_state.cfg, global_state.train_state
     train_cfg = cfg.train
     for chunk in model:
@@ -284,7 +286,7 @@ def train(forward_step_func: ForwardStepCallable, model: list, optimizer, schedu
             update_num_microbatches(ts.consumed_train_samples, consistency_check=False)
             batch_size = get_current_global_batch_size()
             loss_dict, skipped, _, should_exit, step_exit_code, grad_norm, _ = train_step(
-                forward_step_func, train_data_iterator, model, optimizer, scheduler, global_state)
+                step_func, train_data_iterator, model, optimizer, scheduler, global_state)
             if should_exit:
                 exit_code = step_exit_code
                 break
