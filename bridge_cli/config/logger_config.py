@@ -78,3 +78,6 @@ class LoggerConfig:
 
     log_energy: bool = False
     """Log GPU energy consumption in joules."""
+
+    gpu_peak_tflops: Optional[float] = None
+    """Peak dense bf16 TFLOP/s of one GPU, for the MFU column (None: looked up by GPU name; no MFU on CPU)."""

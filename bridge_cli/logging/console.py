@@ -39,9 +39,10 @@ class IntervalStats:
 class ConsoleLog:
     """Prints training and validation lines; owns the progress bar."""
 
-    def __init__(self, total_iters: int, start_iter: int, enabled: bool):
+    def __init__(self, total_iters: int, start_iter: int, enabled: bool, peak_tflops: Optional[float] = None):
         self.enabled = enabled
         self.total = total_iters
+        self.peak_tflops = peak_tflops
         self.progress = None
         if enabled and sys.stdout.isatty():
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -66,23 +67,27 @@ class ConsoleLog:
 
     def training_line(self, iteration: int, stats: IntervalStats, consumed_samples: int, lr: float,
                       grad_norm: Optional[float], loss_scale: float, tokens_per_iter: int, flops_per_iter: float,
-                      world_size: int, elapsed_run: float, first_iter: int) -> Optional[float]:
+                      world_size: int, elapsed_run: float, first_iter: int,
+                      params_norm: Optional[float] = None) -> Optional[float]:
         """Format and print one line; returns the mean of the first loss for the progress bar."""
         elapsed = time.time() - stats.started
         per_iter = elapsed / max(stats.iterations, 1)
         losses = {k: float(v) / max(stats.iterations - stats.skipped, 1) for k, v in stats.losses.items()}
         done = iteration - first_iter
         eta = elapsed_run / max(done, 1) * (self.total - iteration)
+        tflops = flops_per_iter / per_iter / world_size / 1e12
         parts = [
             f"iteration {iteration:>{len(str(self.total))}}/{self.total}",
             f"consumed samples {consumed_samples}",
             f"elapsed ms/iter {per_iter * 1000:.1f}",
             f"tokens/s/gpu {tokens_per_iter / per_iter / world_size:,.0f}",
-            f"TFLOP/s/gpu {flops_per_iter / per_iter / world_size / 1e12:.2f}",
+            f"TFLOP/s/gpu {tflops:.2f}",
+            *([f"MFU {tflops / self.peak_tflops:.1%}"] if self.peak_tflops else []),
             f"lr {lr:.3e}",
             *(f"{k} {v:.6f}" for k, v in losses.items()),
             f"loss scale {loss_scale:.1f}",
             f"grad norm {grad_norm:.3f}" if grad_norm is not None else "grad norm n/a",
+            *([f"params norm {params_norm:.3f}"] if params_norm is not None else []),
             f"skipped {stats.skipped}",
             f"nan {stats.nan_or_inf}",
             f"ETA {_eta(eta)}",
