@@ -123,6 +123,17 @@ def convert_ckpt(direction: Annotated[str, typer.Argument(help="import-hf or exp
     _not_yet(f"convert-ckpt {direction}")
 
 
+@app.command()
+@handles_user_errors
+def plot(log_dir: Annotated[Path, typer.Argument(help="A run's logger.tensorboard_dir.")],
+         output: Annotated[Optional[Path], typer.Option("--output", "-o", help="PNG path (default LOG_DIR/training.png).")] = None,
+         debug: Debug = False) -> None:
+    """Plot loss, learning rate and throughput against iteration as a PNG."""
+    from bridge_cli.logging.plot import plot_run
+
+    typer.echo(f"wrote {plot_run(log_dir, output or log_dir / 'training.png')}")
+
+
 def _validate_then_not_yet(command: str, overrides, recipes_dir, dry_run: bool, world_size) -> None:
     """A command whose run is not built yet still validates its config (and --dry-run prints it)."""
     recipe, container = load_config(overrides, recipes_dir, world_size)

@@ -7,7 +7,6 @@ import re
 from pathlib import Path
 from typing import Iterator, Optional
 
-import torch
 from torch.utils.data import DataLoader
 
 from bridge_cli.config.data_configs import DataloaderConfig, FinetuningDatasetConfig, GPTDatasetConfig, MockGPTDatasetConfig

@@ -109,7 +109,7 @@ class TrainingLogger:
         vs_samples = ("learning-rate", "batch-size", "grad-norm", "loss-scale", *loss_dict)
         self.writer.add_scalars({f"{k} vs samples": values[k] for k in vs_samples if values.get(k) is not None}, samples)
 
-    def validation(self, label: str, results: dict[str, float]) -> None:
+    def validation(self, label: str, results: dict[str, float], split: str = "validation") -> None:
         from bridge_cli.training.utils.train_utils import perplexity
 
         if not results:
@@ -117,9 +117,9 @@ class TrainingLogger:
         self.console.print(f"{label} | " + " | ".join(
             f"{k} {v:.6f} | {k} PPL {perplexity(v):.3f}" for k, v in results.items()))
         ts = self.state.train_state
-        values = {f"{k} validation": v for k, v in results.items()}
+        values = {f"{k} {split}": v for k, v in results.items()}
         if self.cfg.logger.log_validation_ppl_to_tensorboard:
-            values.update({f"{k} validation ppl": perplexity(v) for k, v in results.items()})
+            values.update({f"{k} {split} ppl": perplexity(v) for k, v in results.items()})
         self.writer.add_scalars(values, ts.step)
         self.writer.add_scalars({f"{k} vs samples": v for k, v in values.items()}, ts.consumed_train_samples)
 

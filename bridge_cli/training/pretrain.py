@@ -39,6 +39,7 @@ def pretrain(config: ConfigContainer, forward_step_func: ForwardStepCallable) ->
     from bridge_cli.training.setup import setup
     from bridge_cli.checkpoint.save import finalize_async_saves
     from bridge_cli.training.train import _run_evaluation, save_checkpoint_and_time, train
+    from bridge_cli.logging.training_logger import TrainingLogger
     from bridge_cli.training.utils.train_utils import is_last_rank
 
     config.validate()
@@ -64,15 +65,14 @@ def pretrain(config: ConfigContainer, forward_step_func: ForwardStepCallable) ->
         finalize_async_saves(context, blocking=True)
         if state.train_state.step < config.train.train_iters and not config.train.skip_train:
             return  # exit signal, exit_interval, exit_duration_in_mins: stop now, as Megatron-LM does
-        from bridge_cli.logging.console import ConsoleLog
-
-        console = ConsoleLog(config.train.train_iters, state.train_state.step, enabled=is_last_rank())
-        for label, iterator, wanted in (("validation", out.valid_data_iterator, config.train.eval_iters > 0),
-                                        ("test", out.test_data_iterator, config.train.eval_iters > 0)):
-            if iterator is not None and wanted:
-                _run_evaluation(state, forward_step_func, iterator, out.model, console,
-                                f"{label} at the end of training (iteration {state.train_state.step})")
+        logger = state.training_logger = state.training_logger or TrainingLogger(state, out.model)
+        for label, iterator in (("validation", out.valid_data_iterator), ("test", out.test_data_iterator)):
+            if iterator is not None and config.train.eval_iters > 0:
+                _run_evaluation(state, forward_step_func, iterator, out.model, logger,
+                                f"{label} at the end of training (iteration {state.train_state.step})", split=label)
     finally:
+        if state.training_logger is not None:
+            state.training_logger.close()
         destroy_num_microbatches_calculator()
         destroy_rerun_state_machine()
         destroy_distributed()

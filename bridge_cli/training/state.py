@@ -43,3 +43,5 @@ class GlobalState:
     tensorboard_logger: Any = None
     wandb_logger: Any = None
     timers: Any = None
+    training_logger: Any = None
+    """The TrainingLogger train() reports through (console, TensorBoard, W&B); pretrain() closes it."""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gc
-import math
 import signal
 import time
 from typing import Any, Callable, Optional
@@ -11,22 +10,18 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from bridge_cli.logging.console import ConsoleLog, IntervalStats
+from bridge_cli.logging.training_logger import TrainingDiverged, TrainingLogger
 from bridge_cli.training.forward_step_func_types import ForwardStepCallable
+from bridge_cli.training.profiling import StepProfiler
 from bridge_cli.training.state import GlobalState
 from bridge_cli.training.utils.train_utils import (
     grad_norm_is_finite,
     is_last_rank,
     num_floating_point_operations,
-    perplexity,
     prepare_forward_step_func,
     reduce_loss_dict,
     weights_match_across_dp_replicas,
 )
-
-
-class TrainingDiverged(RuntimeError):
-    """The loss or gradient became NaN/Inf; the message names the iteration."""
 
 
 def train_step(forward_step_func: ForwardStepCallable, data_iterator, model: list, optimizer, scheduler,
@@ -125,14 +120,6 @@ def post_training_step_callbacks(model: list, iteration: int, global_state: Glob
     if interval and iteration % interval == 0:
         if not weights_match_across_dp_replicas(model, global_state.runtime.device):
             raise RuntimeError(f"iteration {iteration}: weights differ across data-parallel replicas.")
-
-
-def memory_report(when: str) -> str:
-    """This rank's CUDA memory, in GiB."""
-    gib = 2 ** 30
-    return (f"memory {when} (rank {dist.get_rank()}): allocated {torch.cuda.memory_allocated() / gib:.2f} GiB | "
-            f"peak allocated {torch.cuda.max_memory_allocated() / gib:.2f} GiB | "
-            f"reserved {torch.cuda.memory_reserved() / gib:.2f} GiB")
 
 
 def _on_any_rank(flag: bool, device: torch.device) -> bool:
@@ -250,14 +237,15 @@ def _say(line: str) -> None:
         print(line, flush=True)
 
 
-def _run_evaluation(global_state, forward_step_func, valid_data_iterator, model, console, label: str,
-                    process_non_loss_data_func=None, non_loss_data_func=None) -> dict[str, float]:
-    results, collected = evaluate(global_state, forward_step_func, valid_data_iterator, model,
+def _run_evaluation(global_state, forward_step_func, data_iterator, model, logger: TrainingLogger, label: str,
+                    process_non_loss_data_func=None, non_loss_data_func=None, split: str = "validation") -> dict[str, float]:
+    started = time.time()
+    results, collected = evaluate(global_state, forward_step_func, data_iterator, model,
                                   global_state.cfg.train.eval_iters, process_non_loss_data_func, non_loss_data_func)
     if process_non_loss_data_func is not None and collected is not None:
-        process_non_loss_data_func(collected, global_state.train_state.step, global_state.tensorboard_logger)
-    if results:
-        console.print(f"{label} | " + " | ".join(f"{k} {v:.6f} | {k} PPL {perplexity(v):.3f}" for k, v in results.items()))
+        process_non_loss_data_func(collected, global_state.train_state.step, logger.writer.tensorboard)
+    logger.validation(label, results, split)
+    logger.exclude(time.time() - started)
     return results
 
 
@@ -275,9 +263,8 @@ def train(forward_step_func: ForwardStepCallable, model: list, optimizer, schedu
     if train_cfg.manual_gc:
         gc.disable()
         gc.collect()
-    console = ConsoleLog(train_cfg.train_iters, ts.step, enabled=is_last_rank())
-    stats = IntervalStats()
-    first_iter, run_started = ts.step, time.time()
+    logger = global_state.training_logger = global_state.training_logger or TrainingLogger(global_state, model)
+    profiler = StepProfiler(cfg.profiling, dist.get_rank(), global_state.runtime.is_cuda, cfg.logger.tensorboard_dir)
     exit_code = 0
     if train_cfg.exit_signal_handler:
         checkpointing_context["exit_signal"] = ExitSignal(train_cfg.exit_signal)
@@ -285,7 +272,8 @@ def train(forward_step_func: ForwardStepCallable, model: list, optimizer, schedu
         while ts.step < train_cfg.train_iters:
             update_num_microbatches(ts.consumed_train_samples, consistency_check=False)
             batch_size = get_current_global_batch_size()
-            loss_dict, skipped, _, should_exit, step_exit_code, grad_norm, _ = train_step(
+            profiler.before_step(ts.step + 1)
+            loss_dict, skipped, _, should_exit, step_exit_code, grad_norm, num_zeros = train_step(
                 step_func, train_data_iterator, model, optimizer, scheduler, global_state)
             if should_exit:
                 exit_code = step_exit_code
@@ -299,38 +287,21 @@ def train(forward_step_func: ForwardStepCallable, model: list, optimizer, schedu
                 raise TrainingDiverged(
                     f"iteration {ts.step}: the gradient norm is {grad_norm} (NaN/Inf loss or gradients). "
                     "Lower optimizer.lr, raise scheduler warmup, or check the data.")
-            stats.add(loss_dict, skipped)
             post_training_step_callbacks(model, ts.step, global_state)
-            if ts.step == first_iter + 1 and global_state.runtime.is_cuda:
-                console.print(memory_report("after the first step"))
-
-            if ts.step % cfg.logger.log_interval == 0:
-                loss = console.training_line(
-                    ts.step, stats, ts.consumed_train_samples, optimizer.param_groups[0]["lr"], grad_norm,
-                    optimizer.get_loss_scale().item(), batch_size * cfg.model.seq_length, flops,
-                    dist.get_world_size(), time.time() - run_started, first_iter)
-                if loss is not None and not math.isfinite(loss):
-                    raise TrainingDiverged(f"iteration {ts.step}: the loss is {loss}. Lower optimizer.lr or check the data.")
-                console.advance(ts.step, loss)
-                stats = IntervalStats()
-            else:
-                console.advance(ts.step)
+            logger.after_step(loss_dict, skipped, grad_norm, num_zeros, optimizer, batch_size, flops)
+            profiler.after_step(ts.step)
 
             if (train_cfg.eval_interval and ts.step % train_cfg.eval_interval == 0
                     and valid_data_iterator is not None and train_cfg.eval_iters > 0):
-                eval_started = time.time()
-                _run_evaluation(global_state, forward_step_func, valid_data_iterator, model, console,
+                _run_evaluation(global_state, forward_step_func, valid_data_iterator, model, logger,
                                 f"validation at iteration {ts.step}", process_non_loss_data_func, non_loss_data_func)
-                stats.started += time.time() - eval_started  # keep ms/iter and tokens/s about training
             checkpoint_started = time.time()
             if checkpoint_and_decide_exit(global_state, model, optimizer, scheduler, ts.floating_point_operations_so_far,
                                           checkpointing_context, train_data_iterator):
                 break
-            stats.started += time.time() - checkpoint_started
-        if global_state.runtime.is_cuda:
-            console.print(memory_report("at the end of training"))
+            logger.exclude(time.time() - checkpoint_started)
     finally:
-        console.close()
+        profiler.close()
         if train_cfg.manual_gc:
             gc.enable()
         if "exit_signal" in checkpointing_context:
