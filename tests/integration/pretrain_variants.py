@@ -86,6 +86,7 @@ def run_inference() -> None:
     from bridge_cli.training.train import evaluate
 
     cfg = config()
+    cfg.train.eval_iters = 1
     cfg.validate()
     state = GlobalState(cfg=cfg)
     out = setup(state)
