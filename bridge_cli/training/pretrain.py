@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 
 from bridge_cli.config.errors import ConfigError
 from bridge_cli.training.config import ConfigContainer
@@ -53,6 +54,11 @@ def pretrain(config: ConfigContainer, forward_step_func: ForwardStepCallable) ->
         if is_last_rank():
             print(_describe(state, out.model), flush=True)
         exit_code, ts, context = 0, state.train_state, out.checkpointing_context
+        if config.logger.log_progress and config.checkpoint.save:
+            from bridge_cli.logging.progress_log import append_to_progress_log
+
+            append_to_progress_log(config.checkpoint.save, "Starting job", state.runtime.world_size)
+            context["progress_job_start"] = (time.time(), ts.floating_point_operations_so_far)
         first_step = ts.step
         if not config.train.skip_train:
             exit_code = train(forward_step_func, out.model, out.optimizer, out.scheduler, out.train_data_iterator,

@@ -184,6 +184,14 @@ def save_checkpoint_and_time(state: GlobalState, model: list, optimizer, opt_par
     kind = "non-persistent checkpoint" if non_persistent_ckpt else "checkpoint"
     how = "started in the background" if state.cfg.checkpoint.async_save else "saved"
     _say(f"{kind} {path} {how} in {time.time() - started:.2f} s")
+    if state.cfg.logger.log_progress and not non_persistent_ckpt and "progress_job_start" in checkpointing_context:
+        from bridge_cli.logging.progress_log import log_saved_checkpoint
+
+        job_start, flops_at_job_start = checkpointing_context["progress_job_start"]
+        ts = state.train_state
+        log_saved_checkpoint(state.cfg.checkpoint.save, ts.step, ts.consumed_train_samples * state.cfg.model.seq_length,
+                             num_floating_point_operations_so_far, flops_at_job_start, job_start,
+                             state.runtime.world_size)
 
 
 def checkpoint_and_decide_exit(state: GlobalState, model: list, optimizer, opt_param_scheduler,

@@ -76,3 +76,18 @@ def test_log_line_numbers_from_known_step_times(capsys):
     assert tflops == pytest.approx(4e12 / 0.2 / 2 / 1e12, rel=0.01)  # 10 TFLOP/s per GPU
     assert mfu == pytest.approx(10.0, rel=0.02)
     assert "ETA 0:00:18" in line  # 90 iterations left at 200 ms
+
+
+def test_progress_log_continues_across_a_resume(tmp_path):
+    args = ["pretrain", "recipe=tiny", f"checkpoint.save={tmp_path}", "checkpoint.save_interval=5",
+            "logger.log_progress=true", "train.eval_iters=0", "scheduler.lr_warmup_fraction=null",
+            "scheduler.lr_warmup_iters=2", "scheduler.lr_decay_iters=20", "scheduler.override_opt_param_scheduler=true"]
+    assert bridge(*args, "train.train_iters=10").returncode == 0
+    result = bridge(*args, "train.train_iters=20")
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = (tmp_path / "progress.txt").read_text().splitlines()
+    assert [l.split("\t")[3] for l in lines].count("Starting job") == 2
+    saved = [int(l.split("Iteration: ")[1].split("\t")[0]) for l in lines if "Saved checkpoint" in l]
+    assert saved == [5, 10, 15, 20]
+    flops = [float(l.split("Floating-point operations: ")[1].split("\t")[0]) for l in lines if "Saved" in l]
+    assert flops == sorted(flops) and flops[-1] == pytest.approx(4 * flops[0], rel=0.01)
