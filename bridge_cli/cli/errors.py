@@ -9,6 +9,7 @@ from typing import Callable
 import typer
 
 USAGE_EXIT_CODE = 2
+RUN_FAILED_EXIT_CODE = 1
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
@@ -23,21 +24,32 @@ def user_errors() -> tuple[type[BaseException], ...]:
     return (ConfigError, RuntimeUnavailable, CheckpointError)
 
 
+def run_failures() -> tuple[type[BaseException], ...]:
+    """Failures of a valid run that need no traceback either: training diverged."""
+    from bridge_cli.logging.training_logger import TrainingDiverged
+
+    return (TrainingDiverged,)
+
+
 def report(err: BaseException) -> None:
     typer.secho(f"error: {err}", fg=typer.colors.RED, err=True)
 
 
 def handles_user_errors(command: Callable) -> Callable:
-    """Turn a user error into a one-paragraph message and exit 2 (a traceback only with --debug)."""
+    """A user error becomes a one-paragraph message and exit 2, a diverged run a message and exit 1;
+    a traceback only with --debug, or for a bug."""
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
         try:
             return command(*args, **kwargs)
         except Exception as err:
-            if kwargs.get("debug") or not isinstance(err, user_errors()):
+            if kwargs.get("debug"):
                 raise
-            report(err)
-            sys.exit(USAGE_EXIT_CODE)
+            for kinds, code in ((user_errors(), USAGE_EXIT_CODE), (run_failures(), RUN_FAILED_EXIT_CODE)):
+                if isinstance(err, kinds):
+                    report(err)
+                    sys.exit(code)
+            raise
 
     return wrapper

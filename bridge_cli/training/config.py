@@ -188,6 +188,14 @@ class ConfigContainer:
                 f"Use a multiple of {per_step}, e.g. train.global_batch_size={max(per_step, train.global_batch_size // per_step * per_step)}.",
             )
         self.num_microbatches = train.global_batch_size // per_step
+        if train.rampup_batch_size:
+            if len(train.rampup_batch_size) != 3:
+                raise ConfigError("train.rampup_batch_size", f"needs 3 numbers, got {train.rampup_batch_size}.",
+                                  "Write [start batch, increment, ramp-up samples], e.g. [16,16,300000].")
+            start, increment, _ = train.rampup_batch_size
+            if start % per_step or increment % per_step:
+                raise ConfigError("train.rampup_batch_size", f"start ({start}) and increment ({increment}) must be "
+                                  f"multiples of micro batch x data-parallel size ({per_step}).")
 
     def _check_sequence_length(self) -> None:
         data_len, model_len = self.dataset.seq_length, self.model.seq_length

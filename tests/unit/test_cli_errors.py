@@ -34,6 +34,7 @@ def assert_user_error(result, *fragments: str) -> None:
     (["scheduler.lr_warmup_fraction=0.1", "scheduler.lr_warmup_iters=5"], ["mutually exclusive"]),
     (["profiling.use_pytorch_profiler=true", "profiling.use_nsys_profiler=true"], ["profiling."]),
     (["train.train_iters=[1"], ["cannot parse override"]),
+    (["train.rampup_batch_size=[2,2,100]"], ["train.rampup_batch_size", "multiples of micro batch"]),
 ])
 def test_config_errors(cli, args, fragments):
     assert_user_error(cli("config", "validate", *args), *fragments)
