@@ -31,6 +31,10 @@ def docs(section: Annotated[Optional[str], typer.Argument(help="e.g. train, mode
     """Each field of a section (or every section) with its default and one-line description."""
     import dataclasses
 
+    from bridge_cli.logging.quiet import quiet_known_noise
+
+    quiet_known_noise()
+
     from bridge_cli.config.mcore_schema import field_docs, schema_fields
     from bridge_cli.config.schema import DATASETS, SECTIONS, mcore_sections
 

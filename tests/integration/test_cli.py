@@ -76,3 +76,14 @@ def test_dry_run_for_a_given_world_size():
 def test_unimplemented_commands_say_so_and_exit_2():
     result = bridge("convert-ckpt", "import-hf", "a", "b")
     assert result.returncode == 2 and "not available in this version" in result.stderr
+
+
+def test_config_docs_shows_each_field_with_default_and_description():
+    result = bridge("config", "docs", "train")
+    assert result.returncode == 0 and "train_iters = None" in result.stdout
+    assert "Total iterations" in result.stdout or "iterations" in result.stdout.split("train_iters = None")[1].splitlines()[1]
+    model = bridge("config", "docs", "model")
+    assert "num_layers = 0" in model.stdout and "Number of transformer layers" in model.stdout
+    assert model.stderr == ""
+    unknown = bridge("config", "docs", "nope")
+    assert unknown.returncode == 2 and "Sections: rng" in unknown.stderr
