@@ -29,7 +29,7 @@ TRACKER = "latest_checkpointed_iteration.txt"
 INCOMPLETE = ".incomplete"
 RELEASE = "release"
 _ITER = re.compile(r"^iter_(\d{7,})$")
-_FILES = ("metadata.json", "common.pt")
+_FINISHED = "metadata.json"  # megatron-core writes it after every shard
 _FOREIGN_SUFFIXES = {".distcp", ".safetensors", ".bin", ".pt", ".pth", ".json"}
 
 TEST_PAUSE_ENV = "BRIDGE_TEST_PAUSE_BEFORE_PUBLISH"
@@ -50,8 +50,8 @@ def incomplete_dir(root: Path, iteration: int) -> Path:
 
 
 def is_complete(path: Path) -> bool:
-    """Whether ``path`` holds the files every finished torch_dist save writes last."""
-    return all((Path(path) / name).is_file() for name in _FILES)
+    """Whether ``path`` holds the file a finished torch_dist save writes last."""
+    return (Path(path) / _FINISHED).is_file()
 
 
 def complete_iterations(root: Path) -> list[int]:
@@ -178,7 +178,7 @@ def find_checkpoint(root: Path, step: Optional[int] = None) -> Found:
     foreign = sorted(p.name for p in root.iterdir() if p.suffix in _FOREIGN_SUFFIXES) if root.is_dir() else []
     if foreign:
         raise CheckpointError(f"{root} is not a bridge/Megatron checkpoint directory: it holds {', '.join(foreign[:3])} "
-                              f"but no {TRACKER}, no iter_* folder and no metadata.json/common.pt. Point "
+                              f"but no {TRACKER}, no iter_* folder and no metadata.json. Point "
                               "checkpoint.load at a folder that `bridge pretrain checkpoint.save=DIR` (or "
                               "Megatron-LM --save) wrote.")
     return Found(None, notes=notes)

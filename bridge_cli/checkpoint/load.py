@@ -113,24 +113,17 @@ def _load(state, model: list, optimizer, scheduler, path: Path, weights_only: bo
     ckpt = state.cfg.checkpoint
     verify.check_files(path)
     stored = _read(path, "its metadata", lambda: load_sharded_metadata(str(path)))
-    common = _read(path, "common.pt", lambda: dist_checkpointing.load_common_state_dict(str(path)))
+    common = _read(path, "its common state", lambda: dist_checkpointing.load_common_state_dict(str(path)))
     if "checkpoint_version" not in common and "iteration" not in common:
         raise CheckpointError(f"{path} is a torch_dist checkpoint but not one bridge or Megatron-LM wrote "
-                              "(common.pt has no checkpoint_version or iteration).")
+                              "(its common state has no checkpoint_version or iteration).")
     template = state_dict.model_sharded_state_dict(model, state_dict.content_metadata(state.cfg))
-    verify.check_model_matches(path, template, stored, state.cfg.model, verify.saved_config(path))
-
-    has_optim = any(key.startswith("optimizer.") for key in stored)
-    load_optim = ckpt.load_optim and not weights_only and has_optim
-    if ckpt.load_optim and not weights_only and not has_optim:
-        _say(f"{path} holds no optimizer state (saved with checkpoint.save_optim=false); the optimizer starts fresh.")
-    rng = next((v for k, v in stored.items() if k.split("/")[0] == "rng_state"), None)  # rng_state/shard_<offset>_<shape>
-    load_rng = ckpt.load_rng and not weights_only and rng is not None
-    if load_rng and tuple(rng.global_shape) != state_dict.rng_layout():
-        pp, tp = rng.global_shape
-        _say(f"{path} was saved with pipeline x tensor parallel {pp} x {tp}; the RNG states are not restored "
-             "under this layout (model and optimizer are resharded).")
-        load_rng = False
+    saved = verify.saved_config(path)
+    verify.check_model_matches(path, template, stored, state.cfg.model, saved)
+    load_optim = not weights_only and _optimizer_state_fits(path, state.cfg, stored, saved)
+    load_rng = not weights_only and _rng_states_fit(path, ckpt, stored)
+    if load_optim:
+        _initialize_optimizer_state(optimizer)
 
     sharded = state_dict.build(state, model, optimizer, scheduler, optim=load_optim, rng=load_rng, is_loading=True)
     with warnings.catch_warnings():
@@ -146,19 +139,87 @@ def _load(state, model: list, optimizer, scheduler, path: Path, weights_only: bo
     else:
         # fp32 main copies of half-precision weights follow the loaded weights (or the checkpoint's fp32 ones)
         optimizer.reload_model_params(state_dict=loaded if ckpt.load_main_params_from_ckpt else None)
-    iteration = int(loaded.get("iteration", 0))
     if not weights_only:
-        if "train_state" in loaded:
-            state.train_state.load_state_dict(loaded["train_state"])
-        else:  # Megatron-LM: no consumed-sample counter beside the scheduler's
-            state.train_state.step = iteration
-            state.train_state.floating_point_operations_so_far = loaded.get("num_floating_point_operations_so_far", 0.0)
-        if "opt_param_scheduler" in loaded:
-            scheduler.load_state_dict(loaded["opt_param_scheduler"])
+        _restore_progress(path, state.train_state, scheduler, loaded)
     if load_rng:
         state_dict.restore_rng_states(loaded["rng_state"][0])
     dist.barrier()
-    return iteration
+    return int(loaded.get("iteration", 0))
+
+
+def _restore_progress(path: Path, train_state, scheduler, loaded: dict) -> None:
+    """Iteration, consumed samples (the data position), FLOPs so far, and the scheduler."""
+    if "train_state" in loaded:
+        train_state.load_state_dict(loaded["train_state"])
+    else:  # a Megatron-LM checkpoint: the counters live in its saved arguments
+        args = loaded.get("args")
+        train_state.step = int(loaded.get("iteration", 0))
+        train_state.consumed_train_samples = getattr(args, "consumed_train_samples", 0)
+        train_state.consumed_valid_samples = getattr(args, "consumed_valid_samples", 0)
+        train_state.floating_point_operations_so_far = loaded.get("num_floating_point_operations_so_far", 0.0)
+    if "opt_param_scheduler" in loaded:
+        _load_scheduler(path, scheduler, loaded["opt_param_scheduler"])
+
+
+def _optimizer_state_fits(path: Path, cfg, stored: dict, saved: Optional[dict]) -> bool:
+    """Whether to load the optimizer state; says why not when the checkpoint's cannot be used."""
+    if not cfg.checkpoint.load_optim:
+        return False
+    if not any(key.startswith("optimizer.") for key in stored):
+        _say(f"{path} holds no optimizer state (saved with checkpoint.save_optim=false); the optimizer starts fresh.")
+        return False
+    saved_distributed = (saved or {}).get("optimizer", {}).get("use_distributed_optimizer")
+    fresh = "loading the weights, scheduler and progress; the optimizer starts fresh."
+    if saved_distributed is not None and saved_distributed != cfg.optimizer.use_distributed_optimizer:
+        _say(f"{path} holds the state of a {'distributed' if saved_distributed else 'plain'} optimizer, which this "
+             f"run's optimizer cannot read; {fresh}")
+        return False
+    saved_layout = _model_parallel_layout((saved or {}).get("model", {}))
+    if saved_distributed and saved_layout not in (None, _model_parallel_layout(vars(cfg.model))):
+        _say(f"{path} holds distributed-optimizer state for tensor x pipeline parallel {saved_layout[0]} x "
+             f"{saved_layout[1]}, which reshards across data-parallel sizes only; {fresh}")
+        return False
+    return True
+
+
+def _model_parallel_layout(model: dict) -> Optional[tuple]:
+    keys = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size")
+    return tuple(model[k] for k in keys) if all(k in model for k in keys) else None
+
+
+def _rng_states_fit(path: Path, ckpt, stored: dict) -> bool:
+    """Whether to restore the RNG states: only under the (pipeline, tensor) layout that saved them."""
+    rng = next((v for k, v in stored.items() if k.split("/")[0] == "rng_state"), None)  # rng_state/shard_<offset>_<shape>
+    if not ckpt.load_rng or rng is None:
+        return False
+    if tuple(rng.global_shape) != state_dict.rng_layout():
+        pp, tp = rng.global_shape
+        _say(f"{path} was saved with pipeline x tensor parallel {pp} x {tp}; the RNG states are not restored "
+             "under this layout (model and optimizer are resharded).")
+        return False
+    return True
+
+
+def _initialize_optimizer_state(optimizer) -> None:
+    """Give megatron-core's DistributedOptimizer the torch state its loading template is built from.
+
+    With torch's Adam (no Transformer Engine / Apex) that state exists only after a first step; the
+    values this dummy step writes are all overwritten by the load.
+    """
+    for member in getattr(optimizer, "chained_optimizers", [optimizer]):
+        initialize = getattr(member, "_init_optimizer_states_with_dummy_values", None)
+        if initialize is not None and not member.optimizer.state:
+            initialize()
+
+
+def _load_scheduler(path: Path, scheduler, saved: dict) -> None:
+    try:
+        scheduler.load_state_dict(saved)
+    except AssertionError as err:  # megatron-core asserts that each value matches the run's
+        raise CheckpointError(
+            f"{path}: the learning-rate schedule differs from this run's ({str(err).replace('checkpointvalue', 'checkpoint value')}; "
+            "its steps count samples). Set scheduler.override_opt_param_scheduler=true to use this run's "
+            "schedule, or scheduler.use_checkpoint_opt_param_scheduler=true to keep the checkpoint's.") from err
 
 
 def _load_strategy(cfg, path: Path):

@@ -57,6 +57,7 @@ def save_checkpoint(state, model: list, optimizer, scheduler, checkpointing_cont
         sharded, str(tmp), _save_strategy(cfg, checkpointing_context),
         async_sharded_save=ckpt.async_save,
         content_metadata=state_dict.content_metadata(cfg),
+        **_async_strategy(ckpt.async_save),
     )
     finish = partial(_publish, root, iteration, cfg.to_dict(), ckpt.most_recent_k if not non_persistent else 1)
     if request is None:
@@ -111,6 +112,18 @@ def _save_strategy(cfg, checkpointing_context: dict[str, Any]):
                                                     ckpt.ckpt_assume_constant_structure)
     checkpointing_context["save_strategy"] = strategy
     return strategy
+
+
+def _async_strategy(async_save: bool) -> dict[str, str]:
+    """megatron-core 0.19+ writes async saves with NVIDIA Resiliency Extension by default; use its own
+    writer, which needs no extra package and whose requests AsyncCallsQueue schedules."""
+    import inspect
+
+    from megatron.core import dist_checkpointing
+
+    if async_save and "async_strategy" in inspect.signature(dist_checkpointing.save).parameters:
+        return {"async_strategy": "mcore"}
+    return {}
 
 
 def _async_queue(checkpointing_context: dict[str, Any], persistent: bool):

@@ -5,8 +5,9 @@ virtual pipeline stages), ``optimizer``, ``rng_state``, ``opt_param_scheduler``,
 ``checkpoint_version`` and ``num_floating_point_operations_so_far``. ``train_state`` (bridge's
 progress counters, whose consumed samples are the data position) and ``bridge`` (a marker) are
 added. Model and optimizer tensors are ``ShardedTensor``s with global shapes, so a checkpoint
-loads under another tensor/pipeline/data-parallel layout; everything else lands in ``common.pt``
-except the RNG states, one ``ShardedObject`` per (pipeline, tensor) rank.
+loads under another tensor/pipeline/data-parallel layout; everything else is the common state
+(``common.pt``; megatron-core 0.19 keeps it among the shards) except the RNG states, one
+``ShardedObject`` per (pipeline, tensor) rank.
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ def content_metadata(cfg) -> dict[str, Any]:
     """How model and optimizer state are sharded; saved in the checkpoint, as Megatron-LM does."""
     metadata: dict[str, Any] = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
     if cfg.optimizer.use_distributed_optimizer:
-        # The layout-independent format: loads under any TP/PP/DP (costs a gather on save).
-        metadata["distrib_optim_sharding_type"] = "fully_reshardable"
+        # Megatron-LM's default: reshards across data-parallel sizes only. megatron-core 0.19 cannot
+        # load its layout-independent "fully_reshardable" format into torch's Adam (no TE / Apex).
+        metadata["distrib_optim_sharding_type"] = "dp_reshardable"
     return metadata
 
 

@@ -23,7 +23,7 @@ def check_files(path: Path) -> None:
     """``path`` is a complete torch_dist checkpoint: its metadata parses and no shard is missing or short."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    missing = [name for name in ("metadata.json", "common.pt", ".metadata") if not (path / name).is_file()]
+    missing = [name for name in ("metadata.json", ".metadata") if not (path / name).is_file()]
     if missing:
         hint = (" It looks like a Megatron-LM checkpoint in the legacy `torch` format; bridge reads torch_dist "
                 "(Megatron-LM --ckpt-format torch_dist)." if any(path.glob("mp_rank_*")) else "")
@@ -36,10 +36,15 @@ def check_files(path: Path) -> None:
     if backend != "torch_dist":
         raise CheckpointError(f"{path} is a {backend!r} checkpoint; bridge reads torch_dist checkpoints.")
     try:
-        storage = FileSystemReader(str(path)).read_metadata().storage_data
+        metadata = FileSystemReader(str(path)).read_metadata()
     except Exception as err:  # torch raises whatever unpickling a damaged file raises
         raise CheckpointError(f"{path / '.metadata'} cannot be read ({type(err).__name__}: {err}); "
                               "the checkpoint is damaged.") from err
+    # megatron-core 0.16 writes the non-tensor state to common.pt; 0.19 stores it among the shards
+    in_shards = any(key.startswith("common_state") for key in metadata.state_dict_metadata)
+    if not (path / "common.pt").is_file() and not in_shards:
+        raise CheckpointError(f"{path} is not a complete torch_dist checkpoint: common.pt missing.")
+    storage = metadata.storage_data
     needed: dict[str, int] = {}
     for info in storage.values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
