@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+import torch
 import torch.distributed as dist
 
 from bridge_cli.checkpoint import layout, state_dict, verify
@@ -135,7 +136,7 @@ def _load(state, model: list, optimizer, scheduler, path: Path, weights_only: bo
     for key, chunk in zip(state_dict.model_keys(model), state_dict.model_chunks(model)):
         _read(path, f"the {key} weights", lambda: chunk.load_state_dict(loaded[key], strict=True))
     if load_optim:
-        _read(path, "the optimizer state", lambda: optimizer.load_state_dict(loaded["optimizer"]))
+        _read(path, "the optimizer state", lambda: _load_optimizer(optimizer, loaded["optimizer"]))
     else:
         # fp32 main copies of half-precision weights follow the loaded weights (or the checkpoint's fp32 ones)
         optimizer.reload_model_params(state_dict=loaded if ckpt.load_main_params_from_ckpt else None)
@@ -210,6 +211,22 @@ def _initialize_optimizer_state(optimizer) -> None:
         initialize = getattr(member, "_init_optimizer_states_with_dummy_values", None)
         if initialize is not None and not member.optimizer.state:
             initialize()
+
+
+@torch.no_grad()  # the fp32 distributed optimizer copies into main params that are the model's own
+def _load_optimizer(optimizer, saved) -> None:
+    optimizer.load_state_dict(saved)
+    # With torch's Adam, megatron-core's DistributedOptimizer saves the step count in each param
+    # group and, loading, leaves the per-parameter "step" tensors at their placeholder value (and
+    # shared between parameters): set each from its group.
+    for member in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(member, "optimizer", None)
+        for group in getattr(inner, "param_groups", []):
+            for param in group["params"]:
+                step = inner.state.get(param, {}).get("step")
+                if isinstance(step, torch.Tensor):
+                    value = torch.full_like(step, float(group["step"])) if "step" in group else step.clone()
+                    inner.state[param]["step"] = value
 
 
 def _load_scheduler(path: Path, scheduler, saved: dict) -> None:
