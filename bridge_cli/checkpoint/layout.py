@@ -177,7 +177,8 @@ def find_checkpoint(root: Path, step: Optional[int] = None) -> Found:
         return Found(checkpoint_dir(root, available[-1]), available[-1], notes=notes)
     foreign = sorted(p.name for p in root.iterdir() if p.suffix in _FOREIGN_SUFFIXES) if root.is_dir() else []
     if foreign:
-        raise CheckpointError(f"{root} is not a bridge/Megatron checkpoint directory: it holds {', '.join(foreign[:3])} "
+        raise CheckpointError(f"{root} is not a bridge/Megatron checkpoint directory: it holds "
+                              f"{', '.join(foreign[:3])} "
                               f"but no {TRACKER}, no iter_* folder and no metadata.json. Point "
                               "checkpoint.load at a folder that `bridge pretrain checkpoint.save=DIR` (or "
                               "Megatron-LM --save) wrote.")

@@ -78,7 +78,8 @@ def choose_source(ckpt, load_dir: Optional[str]) -> Optional[Source]:
             found = layout.Found(newer.path, newer.iteration, notes=found.notes + newer.notes)
         if found.path is not None:
             weights_only = ckpt.finetune or found.release
-            why = "checkpoint.finetune" if ckpt.finetune else ("release checkpoint" if found.release else "checkpoint.load")
+            why = ("checkpoint.finetune" if ckpt.finetune else
+                   "release checkpoint" if found.release else "checkpoint.load")
             return Source(found, weights_only, why)
         if ckpt.pretrained_checkpoint is None:
             if ckpt.exit_on_missing_checkpoint:
@@ -190,7 +191,8 @@ def _model_parallel_layout(model: dict) -> Optional[tuple]:
 
 def _rng_states_fit(path: Path, ckpt, stored: dict) -> bool:
     """Whether to restore the RNG states: only under the (pipeline, tensor) layout that saved them."""
-    rng = next((v for k, v in stored.items() if k.split("/")[0] == "rng_state"), None)  # rng_state/shard_<offset>_<shape>
+    # stored as rng_state/shard_<offset>_<shape>
+    rng = next((v for k, v in stored.items() if k.split("/")[0] == "rng_state"), None)
     if not ckpt.load_rng or rng is None:
         return False
     if tuple(rng.global_shape) != state_dict.rng_layout():
@@ -233,8 +235,9 @@ def _load_scheduler(path: Path, scheduler, saved: dict) -> None:
     try:
         scheduler.load_state_dict(saved)
     except AssertionError as err:  # megatron-core asserts that each value matches the run's
+        detail = str(err).replace("checkpointvalue", "checkpoint value")
         raise CheckpointError(
-            f"{path}: the learning-rate schedule differs from this run's ({str(err).replace('checkpointvalue', 'checkpoint value')}; "
+            f"{path}: the learning-rate schedule differs from this run's ({detail}; "
             "its steps count samples). Set scheduler.override_opt_param_scheduler=true to use this run's "
             "schedule, or scheduler.use_checkpoint_opt_param_scheduler=true to keep the checkpoint's.") from err
 

@@ -45,7 +45,8 @@ def model_keys(model: list) -> list[str]:
 
 def model_sharded_state_dict(model: list, metadata: dict) -> dict:
     """``{"model": ...}`` (or ``model0``, ``model1``, ... per virtual pipeline stage)."""
-    return {key: chunk.sharded_state_dict(metadata=metadata) for key, chunk in zip(model_keys(model), model_chunks(model))}
+    chunks = zip(model_keys(model), model_chunks(model))
+    return {key: chunk.sharded_state_dict(metadata=metadata) for key, chunk in chunks}
 
 
 def build(state, model: list, optimizer, scheduler, *, optim: bool, rng: bool, is_loading: bool = False) -> dict:

@@ -1,4 +1,4 @@
-"""A checkpoint that cannot be used stops `bridge pretrain` with its path and the mismatch named, exit 2.
+"""A checkpoint that cannot be used stops `bridge pretrain` with its path and the mismatch named, exit 2; --resume auto|never.
 
 The cases run as concurrent processes (each fails during setup, so they are short).
 """
@@ -88,13 +88,13 @@ def test_unusable_checkpoints_fail_clearly(saved, tmp_path):
             assert fragment in err, f"{name}: {fragment!r} not in {err[-2000:]}"
 
 
-def test_resume_never_ignores_the_checkpoints_in_save(saved, tmp_path):
-    root = copy(saved, tmp_path, "ckpt")
-    auto = start(f"checkpoint.save={root}", "train.train_iters=6", "logger.log_interval=1")
+def test_resume_auto_and_never(saved, tmp_path):
+    auto_root, never_root = copy(saved, tmp_path, "auto"), copy(saved, tmp_path, "never")
+    auto = start(f"checkpoint.save={auto_root}", "train.train_iters=6", "logger.log_interval=1")
+    never = start(f"checkpoint.save={never_root}", "train.train_iters=2", "logger.log_interval=1", "--resume", "never")
     out, err = auto.communicate(timeout=300)
     assert auto.returncode == 0, err[-3000:]
-    assert f"loaded checkpoint {root}/iter_0000004" in out and "iteration 5/6" in out and "iteration 4/6" not in out
-    never = start(f"checkpoint.save={root}", "train.train_iters=2", "logger.log_interval=1", "--resume", "never")
+    assert f"loaded checkpoint {auto_root}/iter_0000004" in out and "iteration 5/6" in out and "iteration 4/6" not in out
     out, err = never.communicate(timeout=300)
     assert never.returncode == 0, err[-3000:]
     assert "loaded checkpoint" not in out and "iteration 1/2" in out
