@@ -48,7 +48,9 @@ class TrainingLogger:
         self.state = global_state
         self.cfg = global_state.cfg
         self.model = model
-        self.is_logging_rank = dist.get_rank() == dist.get_world_size() - 1
+        from bridge_cli.training.utils.train_utils import is_last_rank
+
+        self.is_logging_rank = is_last_rank()
         ts = global_state.train_state
         self.console = ConsoleLog(self.cfg.train.train_iters, ts.step, enabled=self.is_logging_rank,
                                   peak_tflops=peak_tflops(self.cfg.logger.gpu_peak_tflops))
