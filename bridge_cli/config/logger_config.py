@@ -1,4 +1,4 @@
-"""Logger section: console, TensorBoard and Weights & Biases logging."""
+"""Logger section: console, TensorBoard, Weights & Biases, MLflow and Comet logging."""
 
 from dataclasses import dataclass
 from typing import Optional
@@ -8,7 +8,7 @@ from bridge_cli.config.fields import one_of
 
 @dataclass
 class LoggerConfig:
-    """Console, TensorBoard and Weights & Biases logging."""
+    """Console, TensorBoard, Weights & Biases, MLflow and Comet logging."""
 
     log_interval: int = 100
     """Iterations between loss and timing reports."""
@@ -77,7 +77,31 @@ class LoggerConfig:
     """Apply logging_level to every logger, not only the framework's own."""
 
     log_energy: bool = False
-    """Log GPU energy consumption in joules."""
+    """Log GPU energy per iteration (J) and power (W) per GPU, read from NVML (NVIDIA GPUs only)."""
+
+    log_l2_norm_grad_to_tensorboard: bool = False
+    """Write the global and per-parameter gradient L2 norms (l2_norm/grad/...) to the metric writers."""
+
+    log_runtime_to_tensorboard: bool = False
+    """Write elapsed and estimated remaining time and consumed batches/samples/tokens (time/...)."""
+
+    runtime_time_unit: str = one_of("hours", "seconds", "minutes", "hours", "days")
+    """Unit of the time/... runtime metrics."""
+
+    mlflow_experiment: Optional[str] = None
+    """MLflow experiment to log metrics to (None: no MLflow; needs the mlflow package)."""
+
+    mlflow_run_name: Optional[str] = None
+    """MLflow run name (None: MLflow picks one)."""
+
+    mlflow_tracking_uri: Optional[str] = None
+    """MLflow tracking server or file store, e.g. file:./mlruns (None: MLflow's default)."""
+
+    comet_project: Optional[str] = None
+    """Comet project to log metrics to (None: no Comet; needs comet_ml and its API key or offline mode)."""
+
+    comet_experiment_name: Optional[str] = None
+    """Comet experiment name."""
 
     gpu_peak_tflops: Optional[float] = None
     """Peak dense bf16 TFLOP/s of one GPU, for the MFU column (None: looked up by GPU name; no MFU on CPU)."""

@@ -68,8 +68,9 @@ class ConsoleLog:
     def training_line(self, iteration: int, stats: IntervalStats, consumed_samples: int, lr: float,
                       grad_norm: Optional[float], loss_scale: float, tokens_per_iter: int, flops_per_iter: float,
                       world_size: int, elapsed_run: float, first_iter: int,
-                      params_norm: Optional[float] = None) -> Optional[float]:
-        """Format and print one line; returns the mean of the first loss for the progress bar."""
+                      params_norm: Optional[float] = None, extra: tuple[str, ...] = ()) -> Optional[float]:
+        """Format and print one line (``extra`` fields go before the ETA); returns the mean of the
+        first loss for the progress bar."""
         elapsed = time.time() - stats.started
         per_iter = elapsed / max(stats.iterations, 1)
         losses = {k: float(v) / max(stats.iterations - stats.skipped, 1) for k, v in stats.losses.items()}
@@ -90,6 +91,7 @@ class ConsoleLog:
             *([f"params norm {params_norm:.3f}"] if params_norm is not None else []),
             f"skipped {stats.skipped}",
             f"nan {stats.nan_or_inf}",
+            *extra,
             f"ETA {_eta(eta)}",
         ]
         self.print(" | ".join(parts))

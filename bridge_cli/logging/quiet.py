@@ -10,6 +10,7 @@ _WARNINGS = (
     "Apex is not installed",
     "full scope is deprecated",  # megatron-core's own default for cuda_graph_scope
     "CUDA_DEVICE_MAX_CONNECTIONS",  # bridge sets it on CUDA; meaningless on the CPU
+    ".*all_gather_into_tensor` is deprecated",  # megatron-core's Timers, on torch >= 2.12
 )
 _LOG_LINES = {
     "megatron.core.rerun_state_machine": "RerunStateMachine initialized",

@@ -61,20 +61,46 @@ def report_runtime(step: int, consumed_samples: int, start_time: float, seq_leng
 
 
 def report_l2_norm_grad(model: list) -> dict:
-    """L2 norm of the (reduced) gradients: global and per parameter, ``l2_norm/grad/...``."""
+    """Gradient L2 norms after the data-parallel reduction: ``l2_norm/grad/global`` over the whole
+    model-parallel group (tensor-parallel duplicates counted once) and ``l2_norm/grad/<param>``
+    for this rank's parameters (its tensor-parallel shard). A collective over the model-parallel group.
+
+    Needs complete gradients on every rank, i.e. not the distributed optimizer's sharded buffers
+    with data parallelism (ConfigContainer.validate refuses that combination).
+    """
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
     norms = {}
-    total = 0.0
+    squares = torch.zeros(1, dtype=torch.float64)
     for chunk in model:
         for name, param in chunk.named_parameters():
             grad = getattr(param, "main_grad", None)
             grad = grad if grad is not None else param.grad
             if grad is None:
                 continue
-            norm = grad.detach().float().norm().item()
-            norms[f"l2_norm/grad/{name}"] = norm
-            total += norm**2
-    norms["l2_norm/grad/global"] = total**0.5
+            square = grad.detach().double().pow(2).sum().cpu()
+            norms[f"l2_norm/grad/{_unwrapped_name(name)}"] = float(square.sqrt())
+            if param_is_not_tensor_parallel_duplicate(param) and not _counted_on_another_stage(param):
+                squares += square
+    squares = squares.to(next(model[0].parameters()).device)
+    dist.all_reduce(squares, group=parallel_state.get_model_parallel_group())
+    norms["l2_norm/grad/global"] = float(squares.sqrt().item())
     return norms
+
+
+def _unwrapped_name(name: str) -> str:
+    """The parameter's name in the GPTModel, without the DDP / Float16Module ``module.`` prefixes."""
+    while name.startswith("module."):
+        name = name[len("module."):]
+    return name
+
+
+def _counted_on_another_stage(param) -> bool:
+    """Embedding weights tied across pipeline stages are counted on the first stage only."""
+    from megatron.core import parallel_state
+
+    return getattr(param, "shared", False) and not parallel_state.is_pipeline_first_stage()
 
 
 def calc_params_l2_norm(model: list) -> float:
@@ -85,8 +111,7 @@ def calc_params_l2_norm(model: list) -> float:
     squares = torch.zeros(1, dtype=torch.float64)
     for chunk in model:
         for param in chunk.parameters():
-            shared = getattr(param, "shared", False) and not parallel_state.is_pipeline_first_stage()
-            if param_is_not_tensor_parallel_duplicate(param) and not shared:
+            if param_is_not_tensor_parallel_duplicate(param) and not _counted_on_another_stage(param):
                 squares += param.detach().double().pow(2).sum().cpu()
     device = next(model[0].parameters()).device
     squares = squares.to(device)

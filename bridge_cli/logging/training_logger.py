@@ -14,7 +14,14 @@ import torch
 import torch.distributed as dist
 
 from bridge_cli.logging.console import ConsoleLog, IntervalStats
-from bridge_cli.logging.reports import calc_params_l2_norm, report_memory, report_throughput
+from bridge_cli.logging.reports import (
+    calc_params_l2_norm,
+    report_l2_norm_grad,
+    report_memory,
+    report_runtime,
+    report_throughput,
+)
+from bridge_cli.logging.timers import interval_report
 from bridge_cli.logging.writers import MetricWriter
 
 PEAK_BF16_TFLOPS = {"GB200": 2500.0, "B200": 2250.0, "H200": 989.0, "H100": 989.0, "H800": 989.0,
@@ -36,11 +43,21 @@ def peak_tflops(configured: Optional[float]) -> Optional[float]:
 
 
 def memory_report(when: str) -> str:
-    """This rank's CUDA memory, in GiB."""
+    """CUDA memory in GiB, the maximum over pipeline stages (the first stage usually peaks highest).
+
+    A collective over the pipeline group.
+    """
+    from megatron.core import parallel_state
+
+    from bridge_cli.training.utils.train_utils import reduce_max_memory_across_pp_group
+
     gib = 2 ** 30
-    return (f"memory {when} (rank {dist.get_rank()}): allocated {torch.cuda.memory_allocated() / gib:.2f} GiB | "
-            f"peak allocated {torch.cuda.max_memory_allocated() / gib:.2f} GiB | "
-            f"reserved {torch.cuda.memory_reserved() / gib:.2f} GiB")
+    memory = reduce_max_memory_across_pp_group(
+        {"allocated": torch.cuda.memory_allocated() / gib, "peak allocated": torch.cuda.max_memory_allocated() / gib,
+         "reserved": torch.cuda.memory_reserved() / gib}, parallel_state.get_pipeline_model_parallel_group())
+    stages = parallel_state.get_pipeline_model_parallel_world_size()
+    where = f"max over {stages} pipeline stages" if stages > 1 else f"rank {dist.get_rank()}"
+    return f"memory {when} ({where}): " + " | ".join(f"{k} {v:.2f} GiB" for k, v in memory.items())
 
 
 class TrainingLogger:
@@ -58,6 +75,12 @@ class TrainingLogger:
         self.stats = IntervalStats()
         self.first_iter, self.run_started = ts.step, time.time()
         self.history_wct: list[float] = [self.run_started]
+        self.timers = global_state.timers
+        self.energy = None
+        if self.cfg.logger.log_energy:
+            from bridge_cli.logging.energy import EnergyMonitor
+
+            self.energy = EnergyMonitor(global_state.runtime.device)
 
     def exclude(self, seconds: float) -> None:
         """Time spent evaluating or checkpointing does not count into ms/iter and tokens/s."""
@@ -73,22 +96,58 @@ class TrainingLogger:
         self.history_wct.append(time.time())
         if ts.step == self.first_iter + 1 and self.state.runtime.is_cuda:
             self.console.print(memory_report("after the first step"))
-        params_norm = calc_params_l2_norm(self.model) if log.log_params_norm and ts.step % log.log_interval == 0 else None
-        if self.writer.active and ts.step % log.tensorboard_log_interval == 0:
-            self._write_scalars(loss_dict, grad_norm, num_zeros, params_norm, optimizer, batch_size, flops)
-        if ts.step % log.log_interval == 0:
-            loss = self.console.training_line(
-                ts.step, self.stats, ts.consumed_train_samples, optimizer.param_groups[0]["lr"], grad_norm,
-                float(optimizer.get_loss_scale()), batch_size * cfg.model.seq_length, flops, dist.get_world_size(),
-                time.time() - self.run_started, self.first_iter, params_norm)
-            if loss is not None and not math.isfinite(loss):
-                raise TrainingDiverged(f"iteration {ts.step}: the loss is {loss}. Lower optimizer.lr or check the data.")
-            self.console.advance(ts.step, loss)
-            self.stats = IntervalStats()
-        else:
+        log_step = ts.step % log.log_interval == 0
+        write_step = ts.step % log.tensorboard_log_interval == 0
+        # Collectives first, on every rank at the same steps; only the logging rank prints and writes.
+        params_norm = calc_params_l2_norm(self.model) if log.log_params_norm and log_step else None
+        collected = self._collect(log_step, write_step)
+        if self.writer.active and write_step:
+            self._write_scalars(loss_dict, grad_norm, num_zeros, params_norm, optimizer, batch_size, flops, collected)
+        if not log_step:
             self.console.advance(ts.step)
+            return
+        extra = ()
+        if "energy" in collected:
+            extra = (f"energy/gpu {collected['iter-energy/gpu']:.1f} J/iter", f"power/gpu {collected['power/gpu']:.0f} W")
+        loss = self.console.training_line(
+            ts.step, self.stats, ts.consumed_train_samples, optimizer.param_groups[0]["lr"], grad_norm,
+            float(optimizer.get_loss_scale()), batch_size * cfg.model.seq_length, flops, dist.get_world_size(),
+            time.time() - self.run_started, self.first_iter, params_norm, extra)
+        if collected.get("timers"):
+            self.console.print(collected["timers"])
+        if loss is not None and not math.isfinite(loss):
+            raise TrainingDiverged(f"iteration {ts.step}: the loss is {loss}. Lower optimizer.lr or check the data.")
+        self.console.advance(ts.step, loss)
+        self.stats = IntervalStats()
 
-    def _write_scalars(self, loss_dict, grad_norm, num_zeros, params_norm, optimizer, batch_size, flops) -> None:
+    def _collect(self, log_step: bool, write_step: bool) -> dict:
+        """The reports that need every rank: timers and energy each log interval; gradient norms and
+        memory (max over pipeline stages) each metric-writer interval."""
+        from megatron.core import parallel_state
+
+        from bridge_cli.training.utils.train_utils import reduce_max_memory_across_pp_group
+
+        log, collected = self.cfg.logger, {}
+        if log_step and self.timers is not None:
+            collected["timers"], timer_scalars = interval_report(self.timers, log.log_interval)
+            if log.log_timers_to_tensorboard:
+                collected.update(timer_scalars)
+        if log_step and self.energy is not None:
+            joules, seconds = self.energy.lap()
+            world = dist.get_world_size()
+            collected.update({"energy": joules, "iter-energy/gpu": joules / world / self.stats.iterations,
+                              "power/gpu": joules / world / seconds})
+        if not write_step:
+            return collected
+        if log.log_l2_norm_grad_to_tensorboard:
+            collected.update(report_l2_norm_grad(self.model))
+        if log.log_memory_to_tensorboard:
+            collected.update(reduce_max_memory_across_pp_group(
+                report_memory(), parallel_state.get_pipeline_model_parallel_group()))
+        return collected
+
+    def _write_scalars(self, loss_dict, grad_norm, num_zeros, params_norm, optimizer, batch_size, flops,
+                       collected: dict) -> None:
         cfg, ts, log = self.cfg, self.state.train_state, self.cfg.logger
         step, samples = ts.step, ts.consumed_train_samples
         values = {"learning-rate": optimizer.param_groups[0]["lr"], "batch-size": batch_size,
@@ -105,8 +164,10 @@ class TrainingLogger:
             values["throughput"] = flops / iteration_time / dist.get_world_size() / 1e12
             values.update(report_throughput(step, batch_size, cfg.model.seq_length, self.history_wct,
                                             log.log_interval, dist.get_world_size()))
-        if log.log_memory_to_tensorboard:
-            values.update(report_memory())
+        if log.log_runtime_to_tensorboard:
+            values.update(report_runtime(step, samples, self.run_started, cfg.model.seq_length,
+                                         cfg.train.train_iters, self.first_iter, log.runtime_time_unit))
+        values.update({k: v for k, v in collected.items() if k not in ("timers", "energy")})
         self.writer.add_scalars(values, step)
         vs_samples = ("learning-rate", "batch-size", "grad-norm", "loss-scale", *loss_dict)
         self.writer.add_scalars({f"{k} vs samples": values[k] for k in vs_samples if values.get(k) is not None}, samples)

@@ -150,6 +150,7 @@ class ConfigContainer:
         self._check_precision()
         self.data_parallel_size = self.get_data_parallel_size(self.world_size)
         self._derive_batches()
+        self._check_gradient_norm_logging()
         self._check_sequence_length()
         self._derive_scheduler_steps()
 
@@ -172,6 +173,14 @@ class ConfigContainer:
         if self.optimizer.use_distributed_optimizer != self.ddp.use_distributed_optimizer:
             raise ConfigError("ddp.use_distributed_optimizer", "differs from optimizer.use_distributed_optimizer.",
                               "Set both, or let ddp.use_distributed_optimizer follow the optimizer (the default).")
+
+    def _check_gradient_norm_logging(self) -> None:
+        if self.logger.log_l2_norm_grad_to_tensorboard and self.ddp.use_distributed_optimizer \
+                and self.data_parallel_size > 1:
+            raise ConfigError("logger.log_l2_norm_grad_to_tensorboard",
+                              "needs whole gradients on every rank; the distributed optimizer keeps only a "
+                              "data-parallel shard of them.",
+                              "Unset it, or set optimizer.use_distributed_optimizer=false.")
 
     def _derive_batches(self) -> None:
         train, dp = self.train, self.data_parallel_size

@@ -7,6 +7,7 @@ from typing import Iterator
 
 import torch
 
+from bridge_cli.logging.timers import timed
 from bridge_cli.training.losses import masked_next_token_loss
 from bridge_cli.training.state import GlobalState
 
@@ -21,6 +22,7 @@ def get_batch(data_iterator: Iterator, device: torch.device, use_mask: bool) -> 
 def forward_step(state: GlobalState, data_iterator: Iterator, model, return_schedule_plan: bool = False):
     """Forward one micro-batch; return the per-token losses and the function that reduces them."""
     use_mask = not getattr(state.cfg.dataset, "skip_getting_attention_mask_from_dataset", True)
-    batch = get_batch(data_iterator, state.runtime.device, use_mask)
+    with timed(state.timers, "batch-generator", log_level=2):
+        batch = get_batch(data_iterator, state.runtime.device, use_mask)
     output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"])
     return output, functools.partial(masked_next_token_loss, batch["loss_mask"])

@@ -42,6 +42,9 @@ def check_device_support(cfg: ConfigContainer, is_cuda: bool) -> None:
     if cfg.checkpoint.async_save:
         found.append("checkpoint.async_save=true")
         fixes.append("checkpoint.async_save=false")
+    if cfg.logger.log_energy:
+        found.append("logger.log_energy=true")
+        fixes.append("logger.log_energy=false")
     if found:
         raise RuntimeUnavailable(
             f"{', '.join(found)} need{'s' if len(found) == 1 else ''} CUDA and no GPU is visible. "
@@ -140,6 +143,7 @@ def setup(state: GlobalState, checkpointing_context: Optional[dict] = None) -> S
     from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
 
     from bridge_cli.checkpoint.load import load_checkpoint
+    from bridge_cli.logging.timers import build_timers
     from bridge_cli.runtime.ddp import configure_grad_sync, wrap_model
     from bridge_cli.runtime.distributed import init_distributed
     from bridge_cli.runtime.optimizer import build_optimizer
@@ -163,6 +167,8 @@ def setup(state: GlobalState, checkpointing_context: Optional[dict] = None) -> S
     state.runtime = runtime
     cfg.validate(runtime.world_size)
     set_seeds(cfg.rng.seed, runtime)
+    # megatron-core's schedules, grad finalization and optimizer time themselves through these.
+    state.timers = cfg.model.timers = cfg.optimizer.timers = build_timers(cfg.logger)
     init_num_microbatches_calculator(runtime.rank, cfg.train.rampup_batch_size, cfg.train.global_batch_size,
                                      cfg.train.micro_batch_size, cfg.data_parallel_size,
                                      cfg.train.decrease_batch_size_if_needed)

@@ -10,6 +10,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from bridge_cli.logging.timers import timed
 from bridge_cli.logging.training_logger import TrainingDiverged, TrainingLogger
 from bridge_cli.training.forward_step_func_types import ForwardStepCallable
 from bridge_cli.training.profiling import StepProfiler
@@ -45,6 +46,7 @@ def train_step(forward_step_func: ForwardStepCallable, data_iterator, model: lis
         for chunk in model:
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
+        # megatron-core's schedules time themselves ("forward-backward" and below) through model.timers.
         losses_reduced = forward_backward(
             forward_step_func=forward_step_func,
             data_iterator=data_iterator,
@@ -59,7 +61,8 @@ def train_step(forward_step_func: ForwardStepCallable, data_iterator, model: lis
     if should_exit:
         return {}, True, should_checkpoint, should_exit, exit_code, None, None
 
-    update_successful, grad_norm, num_zeros_in_grad = optimizer.step()
+    with timed(global_state.timers, "optimizer", log_level=1, barrier=cfg.model.barrier_with_L1_time):
+        update_successful, grad_norm, num_zeros_in_grad = optimizer.step()
     if update_successful:
         scheduler.step(increment=get_current_global_batch_size())
     if cfg.train.empty_unused_memory_level >= 1 and global_state.runtime.is_cuda:

@@ -1,12 +1,26 @@
-"""Loss reduction across micro-batches and ranks, and the numbers the log line reports."""
+"""Loss reduction across micro-batches and ranks, the numbers the log line reports, model-parallel
+reductions of logged stats, and forward-step state injection (Megatron-Bridge's train_utils).
+
+The value-head and MoE-router hooks live in :mod:`bridge_cli.models.model_hooks` and are
+importable from here under the reference's names.
+"""
 
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
+
+from bridge_cli.models.model_hooks import (  # noqa: F401  (the reference's import path)
+    LinearForLastLayer,
+    ModelHook,
+    ModelList,
+    create_value_head_hook,
+    freeze_moe_router,
+    make_value_model,
+)
 
 
 def reduce_loss_dict(losses_reduced: list[dict]) -> dict[str, torch.Tensor]:
@@ -82,6 +96,79 @@ def weights_match_across_dp_replicas(model: list, device: torch.device) -> bool:
     gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
     dist.all_gather(gathered, local, group=group)
     return all(torch.equal(local, other) for other in gathered)
+
+
+def reduce_max_stat_across_model_parallel_group(stat: Optional[float], mp_group) -> Optional[float]:
+    """The largest ``stat`` over ``mp_group``; ranks without the stat (None) pass; None if all do."""
+    value = torch.tensor([-math.inf if stat is None else float(stat)], dtype=torch.float32,
+                         device=_group_device(mp_group))
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=mp_group)
+    result = value.item()
+    return None if result == -math.inf else result
+
+
+def logical_and_across_model_parallel_group(input: bool, mp_group) -> bool:  # noqa: A002  (the reference's name)
+    """True only when ``input`` is true on every rank of ``mp_group``."""
+    value = torch.tensor([int(bool(input))], dtype=torch.int32, device=_group_device(mp_group))
+    dist.all_reduce(value, op=dist.ReduceOp.MIN, group=mp_group)
+    return bool(value.item())
+
+
+def reduce_max_memory_across_pp_group(memory_report: dict[str, Union[int, float]], pp_group) -> dict[str, Union[int, float]]:
+    """Each memory metric's maximum over the pipeline stages, in one all-reduce.
+
+    The first stage usually peaks highest (it holds the most in-flight activations) but only the
+    last rank writes metrics, so without this the logged peak under-reports. Integer counters
+    (``alloc_retries``) stay integers. No-op without a process group, with one stage, or for an
+    empty report.
+    """
+    if not memory_report or not dist.is_initialized() or dist.get_world_size(pp_group) == 1:
+        return memory_report
+    keys = sorted(memory_report)
+    values = torch.tensor([float(memory_report[k]) for k in keys], dtype=torch.float64,
+                          device=_group_device(pp_group))
+    dist.all_reduce(values, op=dist.ReduceOp.MAX, group=pp_group)
+    return {k: int(v) if isinstance(memory_report[k], int) else v for k, v in zip(keys, values.tolist())}
+
+
+def _group_device(group) -> torch.device:
+    """Where a collective on ``group`` must put its tensor: CUDA for NCCL, the host for gloo."""
+    backend = dist.get_backend(group)
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+
+class _MoeMetricFanoutWriter:
+    """A SummaryWriter-shaped ``add_scalar`` that also forwards to MLflow and Comet.
+
+    megatron-core's MoE/MTP metric helpers (``track_moe_metrics``) write through a TensorBoard
+    writer only; wrapping it lets the same values reach MLflow and Comet.
+    """
+
+    def __init__(self, tb_writer: Optional[Any], comet_logger: Optional[Any], mlflow_logger: Optional[Any]):
+        self.tb_writer = tb_writer
+        self.comet_logger = comet_logger
+        self.mlflow_logger = mlflow_logger
+
+    @staticmethod
+    def _sanitize(value: Any) -> Any:
+        """0-d tensors become Python numbers: MLflow and Comet reject tensors."""
+        return value.item() if isinstance(value, torch.Tensor) and value.dim() == 0 else value
+
+    def add_scalar(self, name: str, value: Any, iteration: int) -> None:
+        if self.tb_writer is not None:
+            self.tb_writer.add_scalar(name, value, iteration)
+        value = self._sanitize(value)
+        if self.mlflow_logger is not None:
+            self.mlflow_logger.log_metric(name, value, step=iteration)
+        if self.comet_logger is not None:
+            self.comet_logger.log_metric(name, value, step=iteration)
+
+
+def _build_moe_metric_writer(tb_writer: Optional[Any], comet_logger: Optional[Any], mlflow_logger: Optional[Any]):
+    """The TensorBoard writer itself when neither MLflow nor Comet is on, else a fan-out adapter."""
+    if comet_logger is None and mlflow_logger is None:
+        return tb_writer
+    return _MoeMetricFanoutWriter(tb_writer, comet_logger, mlflow_logger)
 
 
 STATE_PARAMETER_NAMES = ("state", "global_state")
