@@ -9,7 +9,7 @@ _WARNINGS = (
     "Transformer Engine and Apex are not installed",  # bridge picks the torch spec and says so
     "Apex is not installed",
     "full scope is deprecated",  # megatron-core's own default for cuda_graph_scope
-    "CUDA_DEVICE_MAX_CONNECTIONS",  # bridge sets it on CUDA; meaningless on the CPU
+    ".*CUDA_DEVICE_MAX_CONNECTIONS",  # bridge sets it on CUDA; meaningless on the CPU
     ".*all_gather_into_tensor` is deprecated",  # megatron-core's Timers, on torch >= 2.12
 )
 _LOG_LINES = {

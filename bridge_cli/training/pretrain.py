@@ -22,7 +22,20 @@ def _describe(state: GlobalState, model: list) -> str:
             f"PP {m.pipeline_model_parallel_size} x CP {m.context_parallel_size} x DP {cfg.data_parallel_size}; "
             f"GPTModel {m.num_layers} layers, {params / 1e6:.2f}M parameters on rank {rt.rank} ({spec} spec); "
             f"{cfg.train.train_iters} iterations x {cfg.train.global_batch_size} samples x {m.seq_length} tokens "
-            f"({cfg.num_microbatches} micro-batches of {cfg.train.micro_batch_size})")
+            f"({cfg.num_microbatches} micro-batches of {cfg.train.micro_batch_size})\n"
+            + "\n".join(_layout(cfg, rt.world_size)))
+
+
+def _layout(cfg: ConfigContainer, world_size: int) -> list[str]:
+    import os
+
+    from bridge_cli.runtime.layout import parallel_layout
+
+    m = cfg.model
+    per_node = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]
+    return parallel_layout(world_size, m.tensor_model_parallel_size, m.pipeline_model_parallel_size,
+                           m.context_parallel_size, m.expert_model_parallel_size,
+                           m.virtual_pipeline_model_parallel_size, int(per_node) if per_node else None)
 
 
 def pretrain(config: ConfigContainer, forward_step_func: ForwardStepCallable) -> None:
