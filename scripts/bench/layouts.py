@@ -40,7 +40,7 @@ def parse_layout(name: str) -> dict[str, int]:
     return sizes
 
 
-def launch(name: str, gpus: list[int], args, port: int) -> subprocess.Popen:
+def launch(name: str, gpus: list[str], args, port: int) -> subprocess.Popen:
     s = parse_layout(name)
     overrides = [f"recipe={args.recipe}", f"train.train_iters={args.iters}", f"logger.log_interval={args.log_interval}",
                  "train.eval_iters=0", f"model.tensor_model_parallel_size={s['tp']}",
@@ -49,7 +49,7 @@ def launch(name: str, gpus: list[int], args, port: int) -> subprocess.Popen:
         overrides.append(f"model.virtual_pipeline_model_parallel_size={s['vpp']}")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(s["world"]),
            "--master-port", str(port), "-m", "bridge_cli", "pretrain", *overrides]
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus)), "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(gpus), "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -78,7 +78,9 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
 
-    free, running, results = list(range(torch.cuda.device_count())), [], {}
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    free = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+    running, results = [], {}
     pending = list(args.layouts)
     port = 29600
     while pending or running:
