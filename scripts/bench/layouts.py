@@ -30,6 +30,14 @@ PEAK = re.compile(r"peak allocated ([0-9.]+) GiB")
 PEAK_TFLOPS = 989.0
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def parse_layout(name: str) -> dict[str, int]:
     sizes = {"tp": 1, "pp": 1, "dp": 1, "vpp": 0}
     if name != "1":
@@ -82,13 +90,11 @@ def main() -> None:
     free = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
     running, results = [], {}
     pending = list(args.layouts)
-    port = 29600
     while pending or running:
         while pending and len(free) >= parse_layout(pending[0])["world"] and not (args.serial and running):
             name = pending.pop(0)
             gpus = [free.pop(0) for _ in range(parse_layout(name)["world"])]
-            port += 1
-            running.append((name, gpus, launch(name, gpus, args, port), time.time()))
+            running.append((name, gpus, launch(name, gpus, args, free_port()), time.time()))
             print(f"started {name} on GPUs {gpus}", flush=True)
         name, gpus, proc, started = running.pop(0)
         output = proc.communicate()[0]
