@@ -232,6 +232,11 @@ def _load_optimizer(optimizer, saved) -> None:
 
 
 def _load_scheduler(path: Path, scheduler, saved: dict) -> None:
+    saved = dict(saved)
+    if saved.get("start_wd") == saved.get("end_wd") == scheduler.start_wd == scheduler.end_wd:
+        # A constant weight decay never reads its ramp length (train_iters x global batch), so a run
+        # resumed with a longer train.train_iters keeps its schedule and needs no override.
+        saved["wd_incr_steps"] = scheduler.wd_incr_steps
     try:
         scheduler.load_state_dict(saved)
     except AssertionError as err:  # megatron-core asserts that each value matches the run's

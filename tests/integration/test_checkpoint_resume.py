@@ -179,3 +179,14 @@ def test_readme_checkpoint_commands_run_as_written(tmp_path):
     assert "loaded checkpoint ckpt/iter_0000050" in second
     assert re.search(r"^iteration  60/100 ", second, re.M) and not re.search(r"^iteration  50/100 ", second, re.M)
     assert tracker(tmp_path / "ckpt") == "100"
+
+
+def test_a_longer_run_resumes_without_an_override(stopped_at_20, tmp_path):
+    """Extending train.train_iters keeps a schedule whose decay length is set and whose weight
+    decay is constant; only the length of an unused weight-decay ramp changed."""
+    root = tmp_path / "ckpt"
+    shutil.copytree(stopped_at_20, root)
+    longer = [a for a in ARGS if not a.startswith("train.train_iters")] + ["train.train_iters=60",
+                                                                          "scheduler.lr_decay_iters=40"]
+    resumed = losses(ok(bridge("pretrain", *longer, f"checkpoint.load={root}", "train.exit_interval=22")))
+    assert sorted(resumed) == [21, 22]
