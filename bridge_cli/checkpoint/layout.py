@@ -175,6 +175,9 @@ def find_checkpoint(root: Path, step: Optional[int] = None) -> Found:
                      + (f"using the newest one, {iter_name(available[-1])}." if available else "nothing to load."))
     if available:
         return Found(checkpoint_dir(root, available[-1]), available[-1], notes=notes)
+    if (root / "config.json").is_file() and any(root.glob("*.safetensors")):
+        raise CheckpointError(f"{root} is a Hugging Face model folder; convert it first: "
+                              f"bridge convert-ckpt import-hf {root} OUT_DIR")
     foreign = sorted(p.name for p in root.iterdir() if p.suffix in _FOREIGN_SUFFIXES) if root.is_dir() else []
     if foreign:
         raise CheckpointError(f"{root} is not a bridge/Megatron checkpoint directory: it holds "

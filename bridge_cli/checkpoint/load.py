@@ -9,6 +9,9 @@ What is restored follows the checkpoint section:
   no checkpoint): the weights only; the run starts at iteration 0 with a fresh optimizer.
 - ``load`` holds none: training starts from scratch, or, with ``exit_on_missing_checkpoint``,
   stops with an error.
+- ``peft`` (LoRA): the base weights load first, from ``pretrained_checkpoint`` or the base an
+  adapter checkpoint names; then, when ``load`` holds an adapter checkpoint, the adapters with
+  their optimizer, scheduler, RNG and progress as above.
 
 Model and optimizer tensors reshard to the run's tensor/pipeline/data-parallel layout; RNG states
 are per (pipeline, tensor) rank and are restored only when that layout is unchanged.
@@ -53,20 +56,82 @@ def resolve_resume(ckpt_cfg, mode: str) -> list[str]:
     return [f"resume: resuming from {ckpt_cfg.save} (--resume auto; --resume never starts from scratch)."]
 
 
-def load_checkpoint(state, model: list, optimizer, scheduler) -> Optional[Path]:
-    """Restore what ``state.cfg.checkpoint`` asks for; returns the folder loaded, or None."""
+def load_checkpoint(state, model: list, optimizer, scheduler, weights_only: bool = False) -> Optional[Path]:
+    """Restore what ``state.cfg.checkpoint`` asks for; returns the folder loaded, or None.
+
+    ``weights_only`` loads the model weights alone whatever the checkpoint section says (evaluation,
+    merging); ``optimizer`` and ``scheduler`` may then be None.
+    """
     source = choose_source(state.cfg.checkpoint, state.cfg.checkpoint.load)
+    if state.cfg.peft is not None:
+        return _load_base_and_adapters(state, model, optimizer, scheduler, source, weights_only)
     if source is None:
         return None
+    if adapter_metadata(source.found.path) is not None:
+        raise CheckpointError(f"{source.found.path} holds LoRA adapters, not a whole model. Add peft=lora to load "
+                              "them onto their base model, or merge them into one first (bridge peft merge).")
+    return _load_source(state, model, optimizer, scheduler, source, weights_only or source.weights_only)
+
+
+def adapter_metadata(path: Path) -> Optional[dict]:
+    """The ``peft`` entry of an adapter checkpoint (its LoRA settings and base checkpoint), else None."""
+    from megatron.core import dist_checkpointing
+
+    verify.check_files(path)
+    common = _read(path, "its common state", lambda: dist_checkpointing.load_common_state_dict(str(path)))
+    return common.get("peft")
+
+
+def _load_source(state, model: list, optimizer, scheduler, source: Source, weights_only: bool,
+                 select: state_dict.Selector = None, what: str = "checkpoint") -> Path:
     for note in source.found.notes:
         _say(note)
     path = source.found.path
-    loaded_step = _load(state, model, optimizer, scheduler, path, source.weights_only)
+    loaded_step = _load(state, model, optimizer, scheduler, path, weights_only, select)
     ts = state.train_state
-    _say(f"loaded checkpoint {path} ({source.why}; iteration {loaded_step}): "
-         + ("weights only, starting at iteration 0" if source.weights_only else
+    _say(f"loaded {what} {path} ({source.why}; iteration {loaded_step}): "
+         + ("weights only" if weights_only else
             f"resuming at iteration {ts.step}, consumed samples {ts.consumed_train_samples}"))
     return path
+
+
+def _load_base_and_adapters(state, model: list, optimizer, scheduler, source: Optional[Source],
+                            weights_only: bool) -> Path:
+    """LoRA: the frozen base weights, then the adapters when ``source`` is an adapter checkpoint."""
+    from bridge_cli.peft.lora import is_adapter_key, is_base_key
+
+    ckpt = state.cfg.checkpoint
+    if source is None:
+        raise CheckpointError("peft=lora trains adapters on a pretrained model, and no checkpoint is set. "
+                              "Set checkpoint.pretrained_checkpoint=DIR (a checkpoint `bridge pretrain` wrote).")
+    adapters = adapter_metadata(source.found.path)
+    if adapters is None:
+        if source.why != "checkpoint.pretrained_checkpoint":
+            _say(f"{source.found.path} holds a whole model, not LoRA adapters: loading it as the base model; "
+                 "the adapters start from their initial values.")
+        return _load_source(state, model, optimizer, scheduler, source, True, is_base_key, "base model")
+    _check_adapters_match(source.found.path, adapters, state.cfg.peft)
+    base_dir = ckpt.pretrained_checkpoint or adapters.get("base_checkpoint")
+    if not base_dir:
+        raise CheckpointError(f"{source.found.path} holds LoRA adapters and does not name their base model. "
+                              "Set checkpoint.pretrained_checkpoint=DIR.")
+    key = "checkpoint.pretrained_checkpoint" if ckpt.pretrained_checkpoint else f"the base named by {source.found.path}"
+    base = layout.find_checkpoint(Path(base_dir))
+    if base.path is None:
+        raise CheckpointError(f"{key}: no checkpoint in {base_dir} (no {layout.TRACKER}, no iter_* folder, "
+                              "no metadata.json). Set checkpoint.pretrained_checkpoint=DIR to the base model.")
+    ckpt.pretrained_checkpoint = base_dir  # the adapters saved by this run name the same base
+    _load_source(state, model, optimizer, scheduler, Source(base, True, key), True, is_base_key, "base model")
+    return _load_source(state, model, optimizer, scheduler, source, weights_only or source.weights_only,
+                        is_adapter_key, "LoRA adapters")
+
+
+def _check_adapters_match(path: Path, saved: dict, peft) -> None:
+    """Shapes are checked tensor by tensor; alpha is not a tensor, and scales every adapter's output."""
+    for name in ("dim", "alpha", "target_modules"):
+        if name in saved and saved[name] != getattr(peft, name):
+            raise CheckpointError(f"{path} holds LoRA adapters with peft.{name}={saved[name]} "
+                                  f"(this run: {getattr(peft, name)}). Set peft.{name}={saved[name]}.")
 
 
 def choose_source(ckpt, load_dir: Optional[str]) -> Optional[Source]:
@@ -108,7 +173,8 @@ def _newer_non_persistent(ckpt, load_dir: Path, than: int) -> Optional[layout.Fo
     return found if found.path is not None and found.iteration > than else None
 
 
-def _load(state, model: list, optimizer, scheduler, path: Path, weights_only: bool) -> int:
+def _load(state, model: list, optimizer, scheduler, path: Path, weights_only: bool,
+          select: state_dict.Selector = None) -> int:
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
 
@@ -119,15 +185,16 @@ def _load(state, model: list, optimizer, scheduler, path: Path, weights_only: bo
     if "checkpoint_version" not in common and "iteration" not in common:
         raise CheckpointError(f"{path} is a torch_dist checkpoint but not one bridge or Megatron-LM wrote "
                               "(its common state has no checkpoint_version or iteration).")
-    template = state_dict.model_sharded_state_dict(model, state_dict.content_metadata(state.cfg))
+    template = state_dict.model_sharded_state_dict(model, state_dict.content_metadata(state.cfg), select)
     saved = verify.saved_config(path)
     verify.check_model_matches(path, template, stored, state.cfg.model, saved)
-    load_optim = not weights_only and _optimizer_state_fits(path, state.cfg, stored, saved)
+    load_optim = not weights_only and optimizer is not None and _optimizer_state_fits(path, state.cfg, stored, saved)
     load_rng = not weights_only and _rng_states_fit(path, ckpt, stored)
     if load_optim:
         _initialize_optimizer_state(optimizer)
 
-    sharded = state_dict.build(state, model, optimizer, scheduler, optim=load_optim, rng=load_rng, is_loading=True)
+    sharded = state_dict.build(state, model, optimizer, scheduler, optim=load_optim, rng=load_rng, is_loading=True,
+                               select=select)
     with warnings.catch_warnings():
         # torch's and megatron-core's own deprecation notices about their internals: nothing to act on
         warnings.filterwarnings("ignore", message=".*(deprecating ShardedTensor|`load_state_dict` is deprecated)",
@@ -135,10 +202,11 @@ def _load(state, model: list, optimizer, scheduler, path: Path, weights_only: bo
         loaded = _read(path, "its shards", lambda: dist_checkpointing.load(
             sharded, str(path), _load_strategy(state.cfg, path), strict=ckpt.dist_ckpt_strictness))
     for key, chunk in zip(state_dict.model_keys(model), state_dict.model_chunks(model)):
-        _read(path, f"the {key} weights", lambda: chunk.load_state_dict(loaded[key], strict=True))
+        # a selection (base weights or adapters of a LoRA model) leaves the other keys as they are
+        _read(path, f"the {key} weights", lambda: chunk.load_state_dict(loaded[key], strict=select is None))
     if load_optim:
         _read(path, "the optimizer state", lambda: _load_optimizer(optimizer, loaded["optimizer"]))
-    else:
+    elif optimizer is not None:
         # fp32 main copies of half-precision weights follow the loaded weights (or the checkpoint's fp32 ones)
         optimizer.reload_model_params(state_dict=loaded if ckpt.load_main_params_from_ckpt else None)
     if not weights_only:
@@ -159,7 +227,7 @@ def _restore_progress(path: Path, train_state, scheduler, loaded: dict) -> None:
         train_state.consumed_train_samples = getattr(args, "consumed_train_samples", 0)
         train_state.consumed_valid_samples = getattr(args, "consumed_valid_samples", 0)
         train_state.floating_point_operations_so_far = loaded.get("num_floating_point_operations_so_far", 0.0)
-    if "opt_param_scheduler" in loaded:
+    if "opt_param_scheduler" in loaded and scheduler is not None:
         _load_scheduler(path, scheduler, loaded["opt_param_scheduler"])
 
 

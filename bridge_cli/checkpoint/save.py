@@ -34,6 +34,9 @@ def save_checkpoint(state, model: list, optimizer, scheduler, checkpointing_cont
                     non_persistent: bool = False) -> Path:
     """Save model, optimizer, scheduler, RNG and progress at ``state.train_state.step``; returns the folder.
 
+    With ``peft`` the model part is the adapters alone (see :mod:`bridge_cli.checkpoint.state_dict`);
+    ``optimizer`` and ``scheduler`` may be None for a weights-only checkpoint (a merged model).
+
     Non-persistent checkpoints (``checkpoint.non_persistent_ckpt_type=global``) use the same layout
     in their own folder, where only the newest is kept.
     """
@@ -52,7 +55,8 @@ def save_checkpoint(state, model: list, optimizer, scheduler, checkpointing_cont
             layout.remove_incomplete(root, keep=tmp)
             checkpointing_context[f"cleaned:{root}"] = True
     dist.barrier()
-    sharded = state_dict.build(state, model, optimizer, scheduler, optim=ckpt.save_optim, rng=ckpt.save_rng)
+    sharded = state_dict.build(state, model, optimizer, scheduler, optim=ckpt.save_optim and optimizer is not None,
+                               rng=ckpt.save_rng, select=state_dict.saved_model_keys(cfg))
     request = dist_checkpointing.save(
         sharded, str(tmp), _save_strategy(cfg, checkpointing_context),
         async_sharded_save=ckpt.async_save,

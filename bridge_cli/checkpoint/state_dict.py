@@ -4,7 +4,8 @@ Keys follow Megatron-LM's ``torch_dist`` checkpoints: ``model`` (``model0``, ``m
 virtual pipeline stages), ``optimizer``, ``rng_state``, ``opt_param_scheduler``, ``iteration``,
 ``checkpoint_version`` and ``num_floating_point_operations_so_far``. ``train_state`` (bridge's
 progress counters, whose consumed samples are the data position) and ``bridge`` (a marker) are
-added. Model and optimizer tensors are ``ShardedTensor``s with global shapes, so a checkpoint
+added. A LoRA run (``peft``) saves only its adapters' tensors under ``model``, and ``peft`` (the
+adapter settings and the base checkpoint's path) in the common state. Model and optimizer tensors are ``ShardedTensor``s with global shapes, so a checkpoint
 loads under another tensor/pipeline/data-parallel layout; everything else is the common state
 (``common.pt``; megatron-core 0.19 keeps it among the shards) except the RNG states, one
 ``ShardedObject`` per (pipeline, tensor) rank.
@@ -13,7 +14,7 @@ loads under another tensor/pipeline/data-parallel layout; everything else is the
 from __future__ import annotations
 
 import random
-from typing import Any
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -43,14 +44,44 @@ def model_keys(model: list) -> list[str]:
     return ["model"] if len(model) == 1 else [f"model{i}" for i in range(len(model))]
 
 
-def model_sharded_state_dict(model: list, metadata: dict) -> dict:
-    """``{"model": ...}`` (or ``model0``, ``model1``, ... per virtual pipeline stage)."""
-    chunks = zip(model_keys(model), model_chunks(model))
-    return {key: chunk.sharded_state_dict(metadata=metadata) for key, chunk in chunks}
+Selector = Optional[Callable[[str], bool]]
+"""Which model keys a checkpoint holds (None: all of them)."""
 
 
-def build(state, model: list, optimizer, scheduler, *, optim: bool, rng: bool, is_loading: bool = False) -> dict:
-    """The full sharded state dict of this rank (for saving, or as the template ``load`` fills in)."""
+def model_sharded_state_dict(model: list, metadata: dict, select: Selector = None) -> dict:
+    """``{"model": ...}`` (or ``model0``, ``model1``, ... per virtual pipeline stage), the keys ``select`` keeps."""
+    out = {}
+    for key, chunk in zip(model_keys(model), model_chunks(model)):
+        sharded = chunk.sharded_state_dict(metadata=metadata)
+        out[key] = {k: v for k, v in sharded.items() if select(k)} if select else sharded
+    return out
+
+
+def saved_model_keys(cfg) -> Selector:
+    """What this run's checkpoints hold of the model: the adapters alone under ``peft``, else everything."""
+    if cfg.peft is None:
+        return None
+    from bridge_cli.peft.lora import is_adapter_key
+
+    return is_adapter_key
+
+
+def peft_metadata(cfg) -> dict[str, Any]:
+    """The ``peft`` entry of an adapter checkpoint: its settings, and the base model it adapts."""
+    import dataclasses
+    from pathlib import Path
+
+    base = cfg.checkpoint.pretrained_checkpoint
+    return {"scheme": "lora", **dataclasses.asdict(cfg.peft), "base_checkpoint": str(Path(base).resolve()) if base else None}
+
+
+def build(state, model: list, optimizer, scheduler, *, optim: bool, rng: bool, is_loading: bool = False,
+          select: Selector = None) -> dict:
+    """The sharded state dict of this rank (for saving, or as the template ``load`` fills in).
+
+    ``select`` keeps only some model keys (see :func:`saved_model_keys`); ``scheduler`` may be None
+    for a weights-only checkpoint.
+    """
     cfg, ts = state.cfg, state.train_state
     metadata = content_metadata(cfg)
     sharded: dict[str, Any] = {
@@ -59,9 +90,12 @@ def build(state, model: list, optimizer, scheduler, *, optim: bool, rng: bool, i
         "iteration": ts.step,
         "train_state": ts.state_dict(),
         "num_floating_point_operations_so_far": ts.floating_point_operations_so_far,
-        "opt_param_scheduler": scheduler.state_dict(),
     }
-    sharded.update(model_sharded_state_dict(model, metadata))
+    if scheduler is not None:
+        sharded["opt_param_scheduler"] = scheduler.state_dict()
+    if cfg.peft is not None and not is_loading:
+        sharded["peft"] = peft_metadata(cfg)
+    sharded.update(model_sharded_state_dict(model, metadata, select))
     if optim:
         sharded["optimizer"] = optimizer.sharded_state_dict(sharded, is_loading=is_loading, metadata=metadata)
     if rng:

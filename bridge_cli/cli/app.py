@@ -13,7 +13,9 @@ from typing import Annotated, Optional
 
 import typer
 
-from bridge_cli.cli import config_cmd, recipes_cmd
+from bridge_cli.cli import config_cmd, peft_cmd, recipes_cmd
+from bridge_cli.cli import preprocess_cmd
+from bridge_cli.cli.convert_cmd import app as convert_app
 from bridge_cli.cli.errors import handles_user_errors
 from bridge_cli.logging.quiet import quiet_known_noise
 
@@ -27,6 +29,8 @@ app = typer.Typer(
 )
 app.add_typer(recipes_cmd.app, name="recipes")
 app.add_typer(config_cmd.app, name="config")
+app.add_typer(peft_cmd.app, name="peft")
+app.command("preprocess-data")(preprocess_cmd.preprocess_data)
 
 DEFAULT_RECIPE = "tiny"
 
@@ -104,23 +108,46 @@ def pretrain(overrides: Overrides = None, recipes_dir: RecipesDir = None, dry_ru
 @app.command()
 @handles_user_errors
 def finetune(overrides: Overrides = None, recipes_dir: RecipesDir = None, dry_run: DryRun = False,
-             world_size: WorldSize = None, debug: Debug = False) -> None:
-    """Fine-tune from a pretrained checkpoint (checkpoint.pretrained_checkpoint=DIR)."""
-    _validate_then_not_yet("finetune", overrides, recipes_dir, dry_run, world_size)
+             world_size: WorldSize = None, resume: Resume = ResumeMode.auto, debug: Debug = False) -> None:
+    """Fine-tune from a pretrained checkpoint: `bridge finetune recipe=tiny checkpoint.pretrained_checkpoint=DIR
+    dataset=finetune dataset.dataset_root=DATA` (add peft=lora for LoRA)."""
+    recipe, container = load_config(overrides, recipes_dir, world_size)
+    if dry_run:
+        if is_rank_zero():
+            print_dry_run(recipe, container)
+        return
+    from bridge_cli.checkpoint.load import resolve_resume
+    from bridge_cli.training.finetune import finetune as run_finetune
+    from bridge_cli.training.gpt_step import forward_step
+
+    for line in resolve_resume(container.checkpoint, resume.value):
+        if is_rank_zero():
+            print(line, flush=True)
+    run_finetune(container, forward_step)
 
 
 @app.command("eval")
 @handles_user_errors
 def evaluate(overrides: Overrides = None, recipes_dir: RecipesDir = None, dry_run: DryRun = False,
-             world_size: WorldSize = None, debug: Debug = False) -> None:
-    """Report validation loss and perplexity of a checkpoint (checkpoint.load=DIR)."""
-    _validate_then_not_yet("eval", overrides, recipes_dir, dry_run, world_size)
+             world_size: WorldSize = None,
+             output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Also write the results as JSON.")] = None,
+             debug: Debug = False) -> None:
+    """Validation and test loss and perplexity of a checkpoint: `bridge eval recipe=tiny checkpoint.load=DIR`."""
+    recipe, container = load_config(overrides, recipes_dir, world_size)
+    if dry_run:
+        if is_rank_zero():
+            print_dry_run(recipe, container)
+        return
+    from bridge_cli.cli.eval_cmd import print_report
+    from bridge_cli.training.eval import evaluate_checkpoint
+    from bridge_cli.training.gpt_step import forward_step
+
+    report = evaluate_checkpoint(container, forward_step)
+    if report is not None:
+        print_report(report, output)
 
 
-@app.command("convert-ckpt", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-def convert_ckpt(direction: Annotated[str, typer.Argument(help="import-hf or export-hf")]) -> None:
-    """Convert checkpoints between Hugging Face and megatron-core torch_dist."""
-    _not_yet(f"convert-ckpt {direction}")
+app.add_typer(convert_app, name="convert-ckpt")
 
 
 @app.command()
@@ -132,21 +159,6 @@ def plot(log_dir: Annotated[Path, typer.Argument(help="A run's logger.tensorboar
     from bridge_cli.logging.plot import plot_run
 
     typer.echo(f"wrote {plot_run(log_dir, output or log_dir / 'training.png')}")
-
-
-def _validate_then_not_yet(command: str, overrides, recipes_dir, dry_run: bool, world_size) -> None:
-    """A command whose run is not built yet still validates its config (and --dry-run prints it)."""
-    recipe, container = load_config(overrides, recipes_dir, world_size)
-    if not dry_run:
-        _not_yet(command)
-    if is_rank_zero():
-        print_dry_run(recipe, container)
-
-
-def _not_yet(what: str) -> None:
-    typer.secho(f"error: `bridge {what}` is not available in this version of bridge yet; "
-                "`bridge pretrain` is.", fg=typer.colors.RED, err=True)
-    raise typer.Exit(2)
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """Data sections: dataloader, GPT / mock / finetuning datasets, tokenizer."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from bridge_cli.config.fields import one_of
@@ -142,29 +142,50 @@ class MockGPTDatasetConfig(GPTDatasetConfig):
 
 
 @dataclass
+class PackedSequenceSpecs:
+    """Sequence packing for fine-tuning: several short samples share one row of seq_length tokens."""
+
+    packed_sequence_size: int = -1
+    """Tokens per pack; samples are packed whole, in order, until the next one would not fit. <= 0 disables packing."""
+
+
+@dataclass
 class FinetuningDatasetConfig(DataloaderConfig):
-    """Supervised finetuning data (JSONL prompt/answer files)."""
+    """Supervised finetuning data: training/validation/test.jsonl with input/output or chat messages."""
 
     dataset_root: Optional[str] = None
     """Directory holding the training, validation and test JSONL files."""
 
     seq_length: Optional[int] = None
-    """Tokens per sample; must equal the model's seq_length."""
+    """Tokens per row (a sample or a pack); at most model.seq_length. Longer samples lose the end of their answer."""
 
     seed: int = 1234
-    """Seed for shuffling and sampling the finetuning data."""
+    """Seed of the per-epoch shuffle of the training samples."""
 
     memmap_workers: int = 1
-    """Worker processes used to build the memory-mapped index of the JSONL files."""
+    """Kept for Megatron-Bridge configs; bridge tokenizes the JSONL files in one pass and ignores it."""
 
     max_train_samples: Optional[int] = None
-    """Cap on training samples drawn from the data (None: no cap)."""
+    """Use only the first N records of training.jsonl (None: all of them)."""
+
+    packed_sequence_specs: PackedSequenceSpecs = field(default_factory=PackedSequenceSpecs)
+    """Sequence packing; off (one sample per row, padded) unless packed_sequence_size > 0. Megatron-Bridge's default is None."""
 
     do_validation: bool = True
     """Build the validation dataset."""
 
     do_test: bool = True
     """Build the test dataset."""
+
+    def check(self) -> list[tuple[str, str]]:
+        """(field, message) for each problem; empty when the section is consistent."""
+        size = self.packed_sequence_specs.packed_sequence_size
+        if size > 0 and self.seq_length is not None and size > self.seq_length:
+            return [("packed_sequence_specs.packed_sequence_size",
+                     f"{size} is longer than dataset.seq_length ({self.seq_length}); a pack must fit in one row.")]
+        if self.max_train_samples is not None and self.max_train_samples < 1:
+            return [("max_train_samples", f"must be >= 1 (or null for all records), got {self.max_train_samples}.")]
+        return []
 
 
 @dataclass
@@ -183,10 +204,10 @@ class TokenizerConfig:
     """Vocabulary size of the NullTokenizer; ignored by tokenizers that carry their own vocabulary."""
 
     make_vocab_size_divisible_by: int = 128
-    """Pad the model's embedding vocabulary up to a multiple of this value."""
+    """Follows model.make_vocab_size_divisible_by, which pads the embedding; a different value is an error."""
 
     vocab_extra_ids: int = 0
-    """Extra sentinel tokens to add to the vocabulary."""
+    """Extra sentinel tokens to add to the vocabulary (T5-style); no bridge tokenizer adds them, so must be 0."""
 
     trust_remote_code: bool = False
     """Allow a HuggingFace tokenizer to run code shipped with its files."""

@@ -15,6 +15,7 @@ from bridge_cli.config.data_configs import (
 )
 from bridge_cli.config.logger_config import LoggerConfig
 from bridge_cli.config.loop_configs import SchedulerConfig, TrainingConfig
+from bridge_cli.config.peft_config import LoRAConfig
 from bridge_cli.config.runtime_configs import (
     DistributedInitConfig,
     FaultToleranceConfig,
@@ -48,6 +49,9 @@ DATASETS: dict[str, type] = {
 }
 """The dataset section takes one of these schemas, picked by the dataset group option."""
 
+PEFT: dict[str, type] = {"lora": LoRAConfig}
+"""The optional peft section (default null): `peft=lora` picks LoRA."""
+
 
 def mcore_sections() -> dict[str, type]:
     """Sections whose schema is read from megatron-core's config classes (imports torch)."""
@@ -69,6 +73,7 @@ def root_schema() -> type:
         (name, cls, dataclasses.field(default_factory=cls)) for name, cls in sections.items()
     ]
     specs.append(("dataset", Any, None))
+    specs.append(("peft", Any, None))
     specs.append(("mixed_precision", Optional[str], None))
     return dataclasses.make_dataclass("BridgeConfig", specs)
 
@@ -85,12 +90,15 @@ def register() -> None:
     store.store(name="bridge_schema", node=root_schema())
     for name, cls in DATASETS.items():
         store.store(group="schema/dataset", name=name, node=cls)
+    for name, cls in PEFT.items():
+        store.store(group="schema/peft", name=name, node=cls)
 
 
 def all_keys() -> list[str]:
     """Every settable full key, for did-you-mean suggestions."""
     keys = [f"{section}.{f.name}" for section, cls in SECTIONS.items() for f in dataclasses.fields(cls)]
     keys += [f"dataset.{f.name}" for cls in DATASETS.values() for f in dataclasses.fields(cls)]
+    keys += [f"peft.{f.name}" for cls in PEFT.values() for f in dataclasses.fields(cls)]
     from bridge_cli.config.mcore_schema import schema_fields
 
     keys += [f"{section}.{f.name}" for section, cls in mcore_sections().items() for f in schema_fields(cls)]

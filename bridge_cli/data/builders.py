@@ -76,16 +76,18 @@ def dataset_sizes(train_iters: int, global_batch_size: int, eval_interval: Optio
             eval_iters * global_batch_size]
 
 
-def build_datasets(cfg, tokenizer) -> list:
-    """[train, valid, test] megatron-core datasets (None where a split is empty)."""
+def build_datasets(cfg, tokenizer, sizes: Optional[list[int]] = None) -> list:
+    """[train, valid, test] datasets of ``sizes`` samples (default: what training reads; None where a split is empty)."""
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, MockGPTDataset
 
+    sizes = sizes or dataset_sizes(cfg.train.train_iters, cfg.train.global_batch_size, cfg.train.eval_interval,
+                                   cfg.train.eval_iters)
     if isinstance(cfg.dataset, FinetuningDatasetConfig):
-        raise ConfigError("dataset", "fine-tuning datasets are not supported by this version of bridge yet.")
+        from bridge_cli.data.sft import build_sft_datasets
+
+        return build_sft_datasets(cfg, tokenizer, sizes)
     mcore_config = _mcore_dataset_config(cfg.dataset, tokenizer)
-    sizes = dataset_sizes(cfg.train.train_iters, cfg.train.global_batch_size, cfg.train.eval_interval,
-                          cfg.train.eval_iters)
     cls = MockGPTDataset if isinstance(cfg.dataset, MockGPTDatasetConfig) else GPTDataset
     if mcore_config.split_matrix is not None:
         # A split nobody reads is not built: megatron-core would still count epochs over it.

@@ -37,6 +37,12 @@ class GPTModelProvider(TransformerConfig):
     seq_len_interpolation_factor: Optional[float] = None
     """Linear RoPE interpolation factor for longer contexts; None disables it."""
 
+    rope_scaling: bool = False
+    """Llama 3.1 RoPE frequency scaling (low/high frequency factors 1/4, original context 8192)."""
+
+    rope_scaling_factor: float = 8.0
+    """Llama 3.1 RoPE scaling factor (Llama 3.1: 8, Llama 3.2: 32); used with rope_scaling."""
+
     share_embeddings_and_output_weights: bool = True
     """Tie the input embedding and the output projection (GPT-2, Llama-3.2-1B) or not (Llama-3-8B)."""
 
@@ -72,5 +78,7 @@ class GPTModelProvider(TransformerConfig):
             rotary_percent=self.rotary_percent,
             rotary_base=self.rotary_base,
             seq_len_interpolation_factor=self.seq_len_interpolation_factor,
+            rope_scaling=self.rope_scaling,
+            rope_scaling_factor=self.rope_scaling_factor,
             **kwargs,
         )

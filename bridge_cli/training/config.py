@@ -28,6 +28,7 @@ from bridge_cli.config.errors import ConfigError
 from bridge_cli.config.fields import check_section
 from bridge_cli.config.logger_config import LoggerConfig
 from bridge_cli.config.loop_configs import SchedulerConfig, TrainingConfig
+from bridge_cli.config.peft_config import LoRAConfig
 from bridge_cli.config.runtime_configs import (
     DistributedInitConfig,
     FaultToleranceConfig,
@@ -41,7 +42,7 @@ from bridge_cli.models.provider import GPTModelProvider
 
 __all__ = [
     "CheckpointConfig", "ConfigContainer", "DataloaderConfig", "DistributedInitConfig",
-    "FaultToleranceConfig", "FinetuningDatasetConfig", "GPTDatasetConfig", "LoggerConfig",
+    "FaultToleranceConfig", "FinetuningDatasetConfig", "GPTDatasetConfig", "LoggerConfig", "LoRAConfig",
     "MockGPTDatasetConfig", "NVRxStragglerDetectionConfig", "ProfilingConfig",
     "RerunStateMachineConfig", "RNGConfig", "SchedulerConfig", "StragglerDetectionConfig",
     "TokenizerConfig", "TrainingConfig",
@@ -70,6 +71,7 @@ class ConfigContainer:
     straggler: Optional[StragglerDetectionConfig] = None
     nvrx_straggler: Optional[NVRxStragglerDetectionConfig] = None
     profiling: Optional[ProfilingConfig] = None
+    peft: Optional[LoRAConfig] = None
     mixed_precision: Optional[str] = None
 
     world_size: Optional[int] = field(default=None, init=False)
@@ -88,6 +90,7 @@ class ConfigContainer:
 
         sections = {name: OmegaConf.to_object(values[name]) for name in SECTIONS}
         sections["dataset"] = OmegaConf.to_object(values["dataset"])
+        sections["peft"] = OmegaConf.to_object(values["peft"]) if values.get("peft") is not None else None
         if values["model"]["bf16"] and values["model"]["fp16"]:
             raise ConfigError("model.bf16", "model.bf16 and model.fp16 are mutually exclusive.",
                               "Pick one precision, e.g. mixed_precision=bf16_mixed.")
@@ -115,6 +118,7 @@ class ConfigContainer:
             "data_parallel_size": self.data_parallel_size,
             "micro_batches_per_step": self.num_microbatches,
             "global_batch_size": self.train.global_batch_size,
+            "padded_vocab_size": self.model.padded_vocab_size,
             "scheduler_steps": {
                 "lr_warmup_steps": self.scheduler.lr_warmup_steps,
                 "lr_decay_steps": self.scheduler.lr_decay_steps,
@@ -146,6 +150,7 @@ class ConfigContainer:
             value = getattr(self, f.name)
             if f.name not in _MCORE and dataclasses.is_dataclass(value):
                 check_section(f.name, value)
+        self._derive_vocab_size()
         self._check_required()
         self._check_precision()
         self.data_parallel_size = self.get_data_parallel_size(self.world_size)
@@ -153,6 +158,21 @@ class ConfigContainer:
         self._check_gradient_norm_logging()
         self._check_sequence_length()
         self._derive_scheduler_steps()
+
+    def _derive_vocab_size(self) -> None:
+        """A tokenizer with its own vocabulary (all but the null one) sets model.vocab_size, as the
+        tokenizer alone does in Megatron-LM; the model pads it (model.padded_vocab_size)."""
+        tok, model = self.tokenizer, self.model
+        if tok.make_vocab_size_divisible_by != model.make_vocab_size_divisible_by:
+            raise ConfigError("tokenizer.make_vocab_size_divisible_by", f"{tok.make_vocab_size_divisible_by} differs "
+                              f"from model.make_vocab_size_divisible_by ({model.make_vocab_size_divisible_by}), "
+                              "which pads the embedding.", "Set model.make_vocab_size_divisible_by only.")
+        if tok.vocab_extra_ids:
+            raise ConfigError("tokenizer.vocab_extra_ids", "is not supported by bridge's tokenizers.", "Leave it at 0.")
+        if tok.tokenizer_type != "NullTokenizer":
+            from bridge_cli.data.tokenizers import build_tokenizer
+
+            model.vocab_size = build_tokenizer(tok).vocab_size
 
     def _check_required(self) -> None:
         if not self.train.train_iters or self.train.train_iters < 1:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
+from typing import Iterator
 
 from bridge_cli.config.errors import ConfigError
 from bridge_cli.training.config import ConfigContainer
@@ -38,23 +40,15 @@ def _layout(cfg: ConfigContainer, world_size: int) -> list[str]:
                            m.virtual_pipeline_model_parallel_size, int(per_node) if per_node else None)
 
 
-def pretrain(config: ConfigContainer, forward_step_func: ForwardStepCallable) -> None:
-    """Train ``config``'s model with ``forward_step_func`` (any signature forward_step_func_types accepts).
-
-    Evaluates on the validation split every ``train.eval_interval`` iterations and on the
-    validation and test splits at the end. With ``checkpoint.save``, saves every
-    ``checkpoint.save_interval`` iterations, before an early exit, and once more at the end.
-    Exits the process only when the rerun state machine asks.
-    """
+@contextlib.contextmanager
+def run_session(config: ConfigContainer) -> Iterator[GlobalState]:
+    """The ``GlobalState`` of one run of ``config``, validated; tears down loggers, megatron-core's
+    global state and the process groups afterwards, however the run ends. pretrain(), finetune()
+    and evaluation run inside one."""
     from megatron.core.num_microbatches_calculator import destroy_num_microbatches_calculator
     from megatron.core.rerun_state_machine import RerunMode, destroy_rerun_state_machine, initialize_rerun_state_machine
 
     from bridge_cli.runtime.distributed import destroy_distributed
-    from bridge_cli.training.setup import setup
-    from bridge_cli.checkpoint.save import finalize_async_saves
-    from bridge_cli.training.train import _run_evaluation, save_checkpoint_and_time, train
-    from bridge_cli.logging.training_logger import TrainingLogger
-    from bridge_cli.training.utils.train_utils import is_last_rank
 
     config.validate()
     state = GlobalState(cfg=config)
@@ -63,6 +57,30 @@ def pretrain(config: ConfigContainer, forward_step_func: ForwardStepCallable) ->
                           "NaN/Inf losses are still detected and reported with their iteration.")
     initialize_rerun_state_machine(mode=RerunMode.DISABLED)
     try:
+        yield state
+    finally:
+        if state.training_logger is not None:
+            state.training_logger.close()
+        destroy_num_microbatches_calculator()
+        destroy_rerun_state_machine()
+        destroy_distributed()
+
+
+def pretrain(config: ConfigContainer, forward_step_func: ForwardStepCallable) -> None:
+    """Train ``config``'s model with ``forward_step_func`` (any signature forward_step_func_types accepts).
+
+    Evaluates on the validation split every ``train.eval_interval`` iterations and on the
+    validation and test splits at the end. With ``checkpoint.save``, saves every
+    ``checkpoint.save_interval`` iterations, before an early exit, and once more at the end.
+    Exits the process only when the rerun state machine asks.
+    """
+    from bridge_cli.training.setup import setup
+    from bridge_cli.checkpoint.save import finalize_async_saves
+    from bridge_cli.training.train import _run_evaluation, save_checkpoint_and_time, train
+    from bridge_cli.logging.training_logger import TrainingLogger
+    from bridge_cli.training.utils.train_utils import is_last_rank
+
+    with run_session(config) as state:
         out = setup(state, checkpointing_context={})
         if is_last_rank():
             print(_describe(state, out.model), flush=True)
@@ -89,9 +107,3 @@ def pretrain(config: ConfigContainer, forward_step_func: ForwardStepCallable) ->
             if iterator is not None and config.train.eval_iters > 0:
                 _run_evaluation(state, forward_step_func, iterator, out.model, logger,
                                 f"{label} at the end of training (iteration {state.train_state.step})", split=label)
-    finally:
-        if state.training_logger is not None:
-            state.training_logger.close()
-        destroy_num_microbatches_calculator()
-        destroy_rerun_state_machine()
-        destroy_distributed()

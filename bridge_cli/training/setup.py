@@ -65,7 +65,8 @@ def set_seeds(seed: int, runtime) -> None:
 
 
 def build_model(cfg: ConfigContainer, runtime) -> list:
-    """One GPTModel per (virtual) pipeline stage this rank holds, on the run's device."""
+    """One GPTModel per (virtual) pipeline stage this rank holds, on the run's device; with ``peft``,
+    frozen and carrying LoRA adapters."""
     from megatron.core import parallel_state
     from megatron.core.transformer.module import Float16Module
 
@@ -86,6 +87,13 @@ def build_model(cfg: ConfigContainer, runtime) -> list:
             # As Megatron-LM: half-precision weights, fp32 at the loss boundary.
             model = Float16Module(cfg.model, model)
         chunks.append(model)
+    if cfg.peft is not None:
+        from bridge_cli.peft.lora import apply_lora
+        from bridge_cli.training.utils.train_utils import is_last_rank
+
+        counts = apply_lora(chunks, cfg.peft, cfg.rng.seed)
+        if is_last_rank():
+            print(f"{counts.describe(cfg.peft)} (rank {runtime.rank})", flush=True)
     return chunks
 
 
@@ -112,15 +120,19 @@ def build_scheduler(cfg: ConfigContainer, optimizer):
     )
 
 
-def build_data_iterators(cfg: ConfigContainer, state: GlobalState, n_chunks: int) -> tuple:
-    """Train/valid/test iterators; one copy per model chunk with virtual pipeline stages."""
+def build_data_iterators(cfg: ConfigContainer, state: GlobalState, n_chunks: int,
+                         sizes: Optional[list[int]] = None) -> tuple:
+    """Train/valid/test iterators; one copy per model chunk with virtual pipeline stages.
+
+    ``sizes`` (samples per split) defaults to what training reads (see ``data.builders.dataset_sizes``).
+    """
     from megatron.core import parallel_state
 
     from bridge_cli.data.builders import build_datasets, build_iterator
     from bridge_cli.data.tokenizers import build_tokenizer
 
     tokenizer = build_tokenizer(cfg.tokenizer, cfg.model.vocab_size)
-    train_ds, valid_ds, test_ds = build_datasets(cfg, tokenizer)
+    train_ds, valid_ds, test_ds = build_datasets(cfg, tokenizer, sizes)
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
     ts = state.train_state
@@ -134,19 +146,12 @@ def build_data_iterators(cfg: ConfigContainer, state: GlobalState, n_chunks: int
             iterators(test_ds, 0))
 
 
-def setup(state: GlobalState, checkpointing_context: Optional[dict] = None) -> SetupOutput:
-    """Initialize this process for ``state.cfg``: distributed, model, optimizer, scheduler, checkpoint, data.
-
-    A checkpoint (``checkpoint.load``, ``pretrained_checkpoint``) is loaded before the data
-    iterators are built, so they start at the consumed samples it restores.
-    """
+def initialize(state: GlobalState):
+    """Process groups, the validated config for this world, seeds, timers and the micro-batch calculator."""
     from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
 
-    from bridge_cli.checkpoint.load import load_checkpoint
     from bridge_cli.logging.timers import build_timers
-    from bridge_cli.runtime.ddp import configure_grad_sync, wrap_model
     from bridge_cli.runtime.distributed import init_distributed
-    from bridge_cli.runtime.optimizer import build_optimizer
 
     cfg = state.cfg
     check_device_support(cfg, torch.cuda.is_available())
@@ -172,6 +177,26 @@ def setup(state: GlobalState, checkpointing_context: Optional[dict] = None) -> S
     init_num_microbatches_calculator(runtime.rank, cfg.train.rampup_batch_size, cfg.train.global_batch_size,
                                      cfg.train.micro_batch_size, cfg.data_parallel_size,
                                      cfg.train.decrease_batch_size_if_needed)
+    if runtime.rank == runtime.world_size - 1:  # the rank that prints the log
+        padded = m.padded_vocab_size  # Megatron-LM's line, so logs of the two tools compare
+        print(f" > padded vocab (size: {m.vocab_size}) with {padded - m.vocab_size} dummy tokens "
+              f"(new size: {padded})", flush=True)
+    return runtime
+
+
+def setup(state: GlobalState, checkpointing_context: Optional[dict] = None) -> SetupOutput:
+    """Initialize this process for ``state.cfg``: distributed, model, optimizer, scheduler, checkpoint, data.
+
+    A checkpoint (``checkpoint.load``, ``pretrained_checkpoint``) is loaded before the data
+    iterators are built, so they start at the consumed samples it restores.
+    """
+    from bridge_cli.checkpoint.load import load_checkpoint
+    from bridge_cli.runtime.ddp import configure_grad_sync, wrap_model
+    from bridge_cli.runtime.optimizer import build_optimizer
+
+    cfg = state.cfg
+    runtime = initialize(state)
+    # megatron-core's DDP and optimizer take only the parameters that require grad: with peft, the adapters
     model = wrap_model(build_model(cfg, runtime), cfg.ddp, runtime)
     optimizer = build_optimizer(cfg.optimizer, model, runtime)
     configure_grad_sync(model, optimizer, cfg.dist.align_grad_reduce)

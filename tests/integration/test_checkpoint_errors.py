@@ -54,6 +54,9 @@ def test_unusable_checkpoints_fail_clearly(saved, tmp_path):
     foreign.mkdir()
     (foreign / "config.json").write_text("{}")
     (foreign / "model.safetensors").write_bytes(b"\0")
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "pytorch_model.bin").write_bytes(b"\0")
     empty = tmp_path / "empty"
     empty.mkdir()
 
@@ -72,8 +75,11 @@ def test_unusable_checkpoints_fail_clearly(saved, tmp_path):
                            [f"{saved}/iter_0000004: the learning-rate schedule differs",
                             "scheduler.override_opt_param_scheduler=true"]),
         "legacy torch format": ([f"checkpoint.load={legacy}"], [f"{legacy}/iter_0000100", "legacy `torch` format"]),
-        "not a checkpoint": ([f"checkpoint.load={foreign}"],
-                             [f"{foreign} is not a bridge/Megatron checkpoint directory", "config.json"]),
+        "Hugging Face folder": ([f"checkpoint.load={foreign}"],
+                                [f"{foreign} is a Hugging Face model folder",
+                                 f"bridge convert-ckpt import-hf {foreign} OUT_DIR"]),
+        "not a checkpoint": ([f"checkpoint.load={other}"],
+                             [f"{other} is not a bridge/Megatron checkpoint directory", "pytorch_model.bin"]),
         "exit_on_missing_checkpoint": ([f"checkpoint.load={empty}", "checkpoint.exit_on_missing_checkpoint=true"],
                                        [f"checkpoint.load={empty}: no checkpoint there"]),
         "async_save on the CPU": ([f"checkpoint.save={empty}", "checkpoint.async_save=true"],

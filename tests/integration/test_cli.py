@@ -73,9 +73,9 @@ def test_dry_run_for_a_given_world_size():
     assert "data_parallel_size: 4" in result.stdout and "micro_batches_per_step: 128" in result.stdout
 
 
-def test_unimplemented_commands_say_so_and_exit_2():
+def test_convert_ckpt_of_a_missing_folder_says_so_and_exits_2():
     result = bridge("convert-ckpt", "import-hf", "a", "b")
-    assert result.returncode == 2 and "not available in this version" in result.stderr
+    assert result.returncode == 2 and result.stderr.startswith("error: a is not a folder")
 
 
 def test_config_docs_shows_each_field_with_default_and_description():

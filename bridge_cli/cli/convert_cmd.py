@@ -1,0 +1,63 @@
+"""`bridge convert-ckpt`: Hugging Face <-> megatron-core torch_dist checkpoints (torch loads inside)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from bridge_cli.cli.errors import handles_user_errors
+
+app = typer.Typer(help="Convert checkpoints between Hugging Face and megatron-core torch_dist.",
+                  no_args_is_help=True)
+
+Debug = Annotated[bool, typer.Option("--debug", help="Show tracebacks.")]
+
+
+@app.command("import-hf")
+@handles_user_errors
+def import_hf(
+    hf_dir: Annotated[Path, typer.Argument(help="Hugging Face model folder: config.json and *.safetensors.")],
+    out_dir: Annotated[Path, typer.Argument(help="New (or empty) folder for the checkpoint and its recipe.yaml.")],
+    recipe: Annotated[str, typer.Option(help="Recipe whose training settings recipe.yaml starts from.")] = "tiny",
+    tp: Annotated[int, typer.Option("--tp", min=1, help="Tensor-parallel size written into recipe.yaml.")] = 1,
+    pp: Annotated[int, typer.Option("--pp", min=1, help="Pipeline-parallel size written into recipe.yaml.")] = 1,
+    seq_length: Annotated[Optional[int], typer.Option(
+        min=1, help="model.seq_length (default: max_position_embeddings, at most 4096).")] = None,
+    recipes_dir: Annotated[Optional[list[Path]], typer.Option(
+        "--recipes-dir", help="Extra folder of recipe YAML files (repeatable; also $BRIDGE_RECIPES_DIR).")] = None,
+    debug: Debug = False,
+) -> None:
+    """Convert a Llama / Mistral / Qwen2 model into a torch_dist checkpoint that bridge trains from."""
+    from bridge_cli.logging.quiet import quiet_known_noise
+
+    quiet_known_noise()
+    from bridge_cli.convert.hf_import import import_hf as run_import
+
+    done = run_import(hf_dir, out_dir, recipe, tp, pp, seq_length, recipes_dir)
+    typer.echo(f"imported {done.model_type} from {hf_dir}: {done.parameters:,} parameters ({done.dtypes})\n"
+               f"  checkpoint {done.checkpoint} (torch_dist; loads under any tensor/pipeline-parallel layout)\n"
+               f"  recipe     {done.recipe}\n"
+               f"train from it: bridge pretrain recipe={done.recipe}")
+
+
+@app.command("export-hf")
+@handles_user_errors
+def export_hf(
+    ckpt_dir: Annotated[Path, typer.Argument(help="A checkpoint.save folder (or one iter_* folder in it).")],
+    out_dir: Annotated[Path, typer.Argument(help="New (or empty) folder for config.json and *.safetensors.")],
+    ckpt_step: Annotated[Optional[int], typer.Option(help="Iteration to export (default: the latest).")] = None,
+    max_shard_size: Annotated[str, typer.Option(help="Largest safetensors file before sharding, e.g. 5GB.")] = "5GB",
+    debug: Debug = False,
+) -> None:
+    """Convert a bridge / Megatron torch_dist checkpoint into a folder transformers loads."""
+    from bridge_cli.logging.quiet import quiet_known_noise
+
+    quiet_known_noise()
+    from bridge_cli.convert.hf_export import export_hf as run_export
+
+    done = run_export(ckpt_dir, out_dir, ckpt_step, max_shard_size)
+    typer.echo(f"exported {done.checkpoint} as {done.model_type} to {done.out_dir} "
+               f"({', '.join(f.name for f in done.files)} + config.json)\n"
+               f"load it: transformers.AutoModelForCausalLM.from_pretrained({str(done.out_dir)!r})")

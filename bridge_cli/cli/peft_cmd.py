@@ -1,0 +1,33 @@
+"""`bridge peft`: work with LoRA adapter checkpoints."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from bridge_cli.cli.errors import handles_user_errors
+
+app = typer.Typer(help="Work with LoRA adapter checkpoints (bridge finetune ... peft=lora).", no_args_is_help=True)
+
+
+@app.command()
+@handles_user_errors
+def merge(
+    adapters: Annotated[Path, typer.Argument(help="The adapter checkpoint folder (a peft=lora run's checkpoint.save).")],
+    output: Annotated[Path, typer.Argument(help="New folder for the merged whole-model checkpoint.")],
+    overrides: Annotated[Optional[list[str]], typer.Argument(
+        help="recipe=NAME|PATH and overrides of the fine-tuning run (the model must match).", show_default=False)] = None,
+    base: Annotated[Optional[Path], typer.Option(
+        "--base", help="Base model checkpoint (default: the one the adapters were trained on).")] = None,
+    recipes_dir: Annotated[Optional[list[Path]], typer.Option("--recipes-dir")] = None,
+    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks.")] = False,
+) -> None:
+    """Fold adapters into their base model: `bridge peft merge ADAPTERS OUT recipe=NAME`, W + (alpha/dim) B A."""
+    from bridge_cli.cli.app import load_config
+    from bridge_cli.peft.merge import merge_adapters
+
+    _, container = load_config(overrides, recipes_dir)
+    path = merge_adapters(container, str(adapters), str(output), str(base) if base else None)
+    typer.echo(f"wrote the merged model to {path}")

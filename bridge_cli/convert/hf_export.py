@@ -1,0 +1,61 @@
+"""`bridge convert-ckpt export-hf`: a torch_dist checkpoint -> a Hugging Face folder.
+
+The model's shape comes from the checkpoint's run_config.yaml. The weights load, resharded by
+megatron-core, into a one-process GPTModel whatever tensor/pipeline layout saved them; they are
+written in their stored dtype as ``model.safetensors`` (or shards plus an index above
+``--max-shard-size``) next to a ``config.json`` that transformers loads offline. Vocabulary
+padding rows are dropped. The folder is written as ``OUT_DIR.incomplete`` and renamed at the end.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from bridge_cli.convert import hf_config
+from bridge_cli.convert.hf_files import check_output_free, parse_size, staged, write_safetensors
+
+
+@dataclass(frozen=True)
+class Exported:
+    """What an export wrote, for the summary the CLI prints."""
+
+    checkpoint: Path
+    out_dir: Path
+    model_type: str
+    files: list[Path]
+
+
+def export_hf(ckpt_dir: Path, out_dir: Path, step: Optional[int] = None, max_shard_size: str = "5GB") -> Exported:
+    """Convert the checkpoint under ``ckpt_dir`` (its latest, or iteration ``step``) into ``out_dir`` (new or empty)."""
+    from bridge_cli.config import mcore_schema
+    from bridge_cli.convert import mcore_io
+    from bridge_cli.convert.hf_weights import Architecture, pairs, to_hf
+    from bridge_cli.convert.progress import per_tensor
+    from bridge_cli.models.provider import GPTModelProvider
+
+    out_dir = Path(out_dir)
+    check_output_free(out_dir)
+    max_shard_bytes = parse_size(max_shard_size)
+    path = mcore_io.find(Path(ckpt_dir), step)
+    model_cfg = mcore_io.model_config(mcore_io.saved_model_values(path))
+    values = mcore_schema.to_yaml_values("model", GPTModelProvider, model_cfg)
+    hf_config.check_exportable(values, path)
+    config = hf_config.to_hf_config(values)
+    arch = Architecture.of(model_cfg)
+
+    mcore_io.init_process()
+    model = mcore_io.build_model(model_cfg)
+    mcore_io.load_weights(model, model_cfg, path)
+    weights = model.state_dict()
+
+    def tensors():
+        for pair in per_tensor(pairs(arch), "exporting"):
+            yield from zip(pair.hf_names, to_hf(pair, weights[pair.mcore], arch))
+
+    with staged(out_dir) as staging:
+        (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        files = write_safetensors(staging, tensors(), max_shard_bytes)
+    return Exported(path, out_dir, config["model_type"], [out_dir / f.name for f in files])

@@ -1,0 +1,157 @@
+"""`bridge convert-ckpt import-hf`: a Hugging Face folder -> a torch_dist checkpoint and a recipe.
+
+Everything that can be checked from config.json and the safetensors headers is checked before
+any tensor is read: an unsupported model, a missing tensor or a wrong shape fails in a second,
+naming the file or tensor. The weights then go one tensor at a time from the memory-mapped
+safetensors into a megatron-core GPTModel built without random initialisation, which is saved
+with megatron-core's dist_checkpointing. The output folder is written as ``OUT_DIR.incomplete``
+and renamed at the end.
+
+    OUT_DIR/recipe.yaml                        the base recipe with the model section of config.json
+    OUT_DIR/latest_checkpointed_iteration.txt  0
+    OUT_DIR/iter_0000000/                      torch_dist shards + run_config.yaml
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import yaml
+
+from bridge_cli.checkpoint.errors import CheckpointError
+from bridge_cli.convert import hf_config
+from bridge_cli.convert.hf_files import SafetensorsFolder, check_output_free, staged
+
+RECIPE = "recipe.yaml"
+
+
+@dataclass(frozen=True)
+class Imported:
+    """What an import wrote, for the summary the CLI prints."""
+
+    out_dir: Path
+    checkpoint: Path
+    recipe: Path
+    model_type: str
+    parameters: int
+    dtypes: str
+
+
+def import_hf(hf_dir: Path, out_dir: Path, base_recipe: str = "tiny", tensor_parallel: int = 1,
+              pipeline_parallel: int = 1, seq_length: Optional[int] = None,
+              recipes_dirs: Optional[list[Path]] = None) -> Imported:
+    """Convert the Hugging Face model in ``hf_dir`` into ``out_dir`` (new or empty).
+
+    The recipe takes its training settings from ``base_recipe`` and its model section from
+    config.json; ``tensor_parallel``/``pipeline_parallel`` only go into the recipe, since the
+    checkpoint loads under any layout.
+    """
+    from bridge_cli.config import recipes
+    from bridge_cli.convert.hf_weights import Architecture
+
+    hf_dir, out_dir = Path(hf_dir), Path(out_dir)
+    check_output_free(out_dir)
+    hf = hf_config.read_config(hf_dir)
+    fields = hf_config.to_model_fields(hf, hf_dir / "config.json", seq_length)
+    arch = Architecture.of(types.SimpleNamespace(**fields))
+    weights = SafetensorsFolder(hf_dir)
+    check_tensors(weights, arch, hf_dir, hf["model_type"])
+    base = recipes.find(base_recipe, recipes_dirs)
+    with staged(out_dir) as staging:
+        recipe = staging / RECIPE
+        recipe.write_text(recipe_text(base, fields, hf_dir, out_dir, hf["model_type"], tensor_parallel,
+                                      pipeline_parallel))
+        cfg = _load_recipe(recipe, fields, tensor_parallel * pipeline_parallel)
+        parameters, dtypes = _convert(weights, arch, cfg, staging)
+    return Imported(out_dir, out_dir / "iter_0000000", out_dir / RECIPE, hf["model_type"], parameters, dtypes)
+
+
+def check_tensors(weights: SafetensorsFolder, arch, hf_dir: Path, model_type: str) -> None:
+    """Every tensor config.json implies is there with its shape, and nothing else is."""
+    from bridge_cli.convert.hf_weights import ignorable, pairs
+
+    expected = {name: shape for pair in pairs(arch) for name, shape in pair.hf}
+    missing = [name for name in expected if name not in weights.shapes]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise CheckpointError(f"{hf_dir}: tensor {missing[0]} is missing{more}. The download is incomplete, or "
+                              "config.json describes another model.")
+    for name, shape in expected.items():
+        if weights.shapes[name] != shape:
+            raise CheckpointError(f"{weights.file_of(name)}: tensor {name} has shape {weights.shapes[name]}; "
+                                  f"config.json implies {shape}. The weights and config.json belong to "
+                                  "different models.")
+    unknown = [name for name in weights.shapes if name not in expected and not ignorable(name, arch)]
+    if unknown:
+        more = f" (and {len(unknown) - 3} more)" if len(unknown) > 3 else ""
+        raise CheckpointError(f"{hf_dir}: tensors a {model_type} model does not have: {', '.join(unknown[:3])}{more}. "
+                              "Its architecture differs from what config.json says; bridge cannot convert it.")
+
+
+def recipe_text(base, fields: dict, hf_dir: Path, out_dir: Path, model_type: str, tensor_parallel: int,
+                pipeline_parallel: int) -> str:
+    """The base recipe with config.json's model section, starting from the imported weights."""
+    recipe = yaml.safe_load(base.path.read_text()) or {}
+    model = {**(recipe.get("model") or {}), **fields}
+    if tensor_parallel > 1:
+        model["tensor_model_parallel_size"] = tensor_parallel
+    if pipeline_parallel > 1:
+        model["pipeline_model_parallel_size"] = pipeline_parallel
+    recipe["model"] = model
+    recipe["checkpoint"] = {**(recipe.get("checkpoint") or {}), "pretrained_checkpoint": str(out_dir.resolve())}
+    header = (f"# @package _global_\n# {model_type} imported from {hf_dir.resolve()} by `bridge convert-ckpt "
+              f"import-hf`; training settings from recipe {base.name}.\n")
+    return header + yaml.safe_dump(recipe, sort_keys=False)
+
+
+def _load_recipe(recipe: Path, fields: dict, world_size: int):
+    """The written recipe, composed and validated as `bridge pretrain` would, with config.json's model.
+
+    Validation derives some model fields (a tokenizer sets the vocabulary size); one that no longer
+    matches config.json is refused rather than converted into another shape.
+    """
+    from bridge_cli.config.compose import compose
+    from bridge_cli.config.errors import ConfigError
+    from bridge_cli.training.config import ConfigContainer
+
+    cfg = ConfigContainer.from_yaml_dict(compose(str(recipe), []))
+    cfg.validate(world_size)
+    model = cfg.to_dict()["model"]
+    for key, value in fields.items():
+        if model[key] != value:
+            raise ConfigError(f"model.{key}", f"the recipe makes it {model[key]}; config.json says {value}.",
+                              "Import with another --recipe (its tokenizer may set the vocabulary size).")
+    return cfg
+
+
+def _convert(weights: SafetensorsFolder, arch, cfg, staging: Path) -> tuple[int, str]:
+    """Copy every tensor into a fresh model and save it; returns (parameter count, 'from -> to' dtypes)."""
+    import torch
+
+    from bridge_cli.convert import mcore_io
+    from bridge_cli.convert.hf_weights import pairs, to_mcore
+    from bridge_cli.convert.progress import per_tensor
+
+    mcore_io.init_process()
+    model = mcore_io.build_model(mcore_io.model_config(cfg.to_dict()["model"]))
+    params = dict(model.named_parameters())
+    todo = pairs(arch)
+    differ = set(params) ^ {pair.mcore for pair in todo}
+    if differ:  # megatron-core's layer spec names its modules differently from hf_weights: a bug
+        raise RuntimeError(f"megatron-core parameters and the Hugging Face mapping differ: {sorted(differ)}")
+    source_dtypes = set()
+    with torch.no_grad():
+        for pair in per_tensor(todo, "importing"):
+            parts = [weights.tensor(name) for name in pair.hf_names]
+            source_dtypes.update(str(part.dtype).removeprefix("torch.") for part in parts)
+            value, param = to_mcore(pair, parts, arch), params[pair.mcore]
+            if value.shape != param.shape:  # copy_ would broadcast; the mapping and the model disagree
+                raise RuntimeError(f"{pair.mcore}: converted to {tuple(value.shape)}, the model has "
+                                   f"{tuple(param.shape)}")
+            param.copy_(value)
+    mcore_io.save_weights(model, cfg, staging)
+    target = str(cfg.model.params_dtype).removeprefix("torch.")
+    return sum(p.numel() for p in params.values()), f"{'/'.join(sorted(source_dtypes))} -> {target}"

@@ -1,0 +1,142 @@
+"""A megatron-core GPTModel on the CPU for conversion, and its torch_dist checkpoint.
+
+A conversion runs as one process (gloo, no tensor or pipeline parallelism, the ``torch`` layer
+spec, no random initialisation). That is enough in both directions: torch_dist checkpoints store
+global tensors, so what this model saves loads under any parallel layout and layer spec, and a
+checkpoint saved under any layout loads into it.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any, Optional
+
+from bridge_cli.checkpoint import layout, state_dict, verify
+from bridge_cli.checkpoint.errors import CheckpointError
+from bridge_cli.checkpoint.save import RUN_CONFIG
+
+SINGLE_PROCESS = {
+    "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "virtual_pipeline_model_parallel_size": None,
+    "context_parallel_size": 1, "sequence_parallel": False, "num_layers_in_first_pipeline_stage": None,
+    "num_layers_in_last_pipeline_stage": None, "pipeline_model_parallel_layout": None,
+    "account_for_embedding_in_pipeline_split": False, "account_for_loss_in_pipeline_split": False,
+    # Layer names differ between specs only in the module tree; the checkpoint keys are the same.
+    "spec": "torch",
+    # Every weight is overwritten, so skip drawing random ones (minutes for a large model).
+    "use_cpu_initialization": True, "perform_initialization": False,
+}
+
+
+def init_process(tensor_model_parallel_size: int = 1):
+    """Join a gloo process group (a world of one unless launched by torchrun) with megatron-core's groups."""
+    from bridge_cli.runtime.distributed import init_distributed
+
+    return init_distributed("gloo", 30, tensor_model_parallel_size, 1)
+
+
+def model_config(values: dict[str, Any], **overrides):
+    """A GPTModelProvider for ``model:`` YAML values, set up for one CPU process (``overrides`` last)."""
+    from bridge_cli.config import mcore_schema
+    from bridge_cli.models.provider import GPTModelProvider
+
+    known = {f.name for f in mcore_schema.schema_fields(GPTModelProvider)}
+    fixed = {key: value for key, value in SINGLE_PROCESS.items() if key in known}
+    return mcore_schema.build("model", GPTModelProvider, {**values, **fixed, **overrides})
+
+
+def build_model(config):
+    """The GPTModel of ``config`` with every weight in ``params_dtype``.
+
+    megatron-core builds its torch norms in float32 and leaves the cast to its Float16Module
+    wrapper in half-precision training, so the checkpoints of such runs hold half-precision norms.
+    """
+    return config.provide().to(config.params_dtype)
+
+
+def saved_model_values(path: Path) -> dict[str, Any]:
+    """The ``model:`` section of a checkpoint's run_config.yaml, completed with the schema's defaults."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from bridge_cli.config import mcore_schema
+    from bridge_cli.models.provider import GPTModelProvider
+
+    saved = verify.saved_config(path)
+    if not saved or "model" not in saved:
+        raise CheckpointError(f"{path} has no {RUN_CONFIG} with a model section; the model's shape is read from "
+                              "it. Convert a checkpoint that `bridge pretrain` saved.")
+    known = {f.name for f in mcore_schema.schema_fields(GPTModelProvider)}
+    schema = OmegaConf.structured(mcore_schema.schema_dataclass(GPTModelProvider))
+    try:
+        merged = OmegaConf.merge(schema, {k: v for k, v in saved["model"].items() if k in known})
+    except OmegaConfBaseException as err:
+        raise CheckpointError(f"{path / RUN_CONFIG}: model.{err.full_key}: {str(err).splitlines()[0]}") from err
+    return OmegaConf.to_container(merged, resolve=True)
+
+
+def save_weights(model, cfg, root: Path) -> Path:
+    """Save ``model``'s weights as iteration 0 under ``root``, in the layout `bridge pretrain` writes.
+
+    The checkpoint holds the weights and the progress counters of a run that has not started (no
+    optimizer, scheduler or RNG state), so ``checkpoint.pretrained_checkpoint`` and
+    ``checkpoint.load`` both start from it at iteration 0. ``cfg`` (a ConfigContainer) is saved as
+    its run_config.yaml.
+    """
+    from megatron.core import dist_checkpointing
+    from omegaconf import OmegaConf
+
+    from bridge_cli.training.state import TrainState
+
+    metadata = state_dict.content_metadata(cfg)
+    sharded = {
+        "checkpoint_version": state_dict.CHECKPOINT_VERSION,
+        "bridge": state_dict.FORMAT,
+        "iteration": 0,
+        "train_state": TrainState().state_dict(),
+        "model": model.sharded_state_dict(metadata=metadata),
+    }
+    folder = layout.start(root, 0)
+    dist_checkpointing.save(sharded, str(folder), content_metadata=metadata)
+    (folder / RUN_CONFIG).write_text(OmegaConf.to_yaml(cfg.to_dict()))
+    return layout.publish(root, 0)
+
+
+def load_weights(model, model_cfg, path: Path) -> None:
+    """Fill ``model`` (built for this process's layout from ``model_cfg``) with the weights of the
+    checkpoint folder ``path``.
+
+    Shapes are checked first, so another model's checkpoint fails naming the tensors that differ
+    (and the settings its run_config.yaml has that ``model_cfg`` has not).
+    """
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
+
+    verify.check_files(path)
+    template = {"model": model.sharded_state_dict(metadata=_read(path, dist_checkpointing.load_content_metadata))}
+    stored = _read(path, load_sharded_metadata)
+    verify.check_model_matches(path, template, stored, model_cfg, verify.saved_config(path))
+    with warnings.catch_warnings():
+        # torch's and megatron-core's own deprecation notices about their internals: nothing to act on
+        warnings.filterwarnings("ignore", message=".*(deprecating ShardedTensor|`load_state_dict` is deprecated)",
+                                category=FutureWarning)
+        loaded = _read(path, lambda p: dist_checkpointing.load(template, p))
+    model.load_state_dict(loaded["model"], strict=True)
+
+
+def find(root: Path, step: Optional[int] = None) -> Path:
+    """The checkpoint folder to read under ``root`` (the tracker's, the newest, or iteration ``step``)."""
+    found = layout.find_checkpoint(Path(root), step)
+    if found.path is None:
+        raise CheckpointError(f"{root}: no checkpoint there (no {layout.TRACKER}, no iter_* folder, no metadata.json).")
+    return found.path
+
+
+def _read(path: Path, read):
+    """``read(str(path))``; a failure becomes a CheckpointError naming the checkpoint."""
+    try:
+        return read(str(path))
+    except CheckpointError:
+        raise
+    except Exception as err:  # a damaged file surfaces as whatever its reader raises
+        raise CheckpointError(f"{path}: cannot be read ({type(err).__name__}: {str(err)[:500]}).") from err

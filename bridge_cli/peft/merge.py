@@ -1,0 +1,51 @@
+"""Merge LoRA adapters into their base model: a whole-model torch_dist checkpoint of ``W + (alpha / dim) B A``.
+
+The result loads like any pretrained checkpoint (``checkpoint.pretrained_checkpoint``,
+``checkpoint.load`` for ``bridge eval``), without ``peft``. It holds the weights alone, at the
+adapters' iteration, in the tensor/pipeline layout of the merging run (torch_dist reshards it
+on load anyway).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Optional
+
+from bridge_cli.checkpoint.errors import CheckpointError
+from bridge_cli.config.peft_config import LoRAConfig
+from bridge_cli.training.config import ConfigContainer
+
+
+def merge_adapters(config: ConfigContainer, adapters: str, output: str, base: Optional[str] = None) -> Path:
+    """Load ``base`` (default: the base the adapters name) plus ``adapters``, fold them, save to ``output``.
+
+    ``config`` gives the model (it must be the fine-tuning run's); the LoRA settings are the
+    adapters' own. Returns the checkpoint folder written.
+    """
+    from bridge_cli.checkpoint import layout
+    from bridge_cli.checkpoint.load import adapter_metadata, load_checkpoint
+    from bridge_cli.checkpoint.save import save_checkpoint
+    from bridge_cli.peft.lora import merge_lora
+    from bridge_cli.training.pretrain import run_session
+    from bridge_cli.training.setup import build_model, initialize
+
+    found = layout.find_checkpoint(Path(adapters))
+    if found.path is None:
+        raise CheckpointError(f"{adapters}: no checkpoint there (no {layout.TRACKER}, no iter_* folder, no metadata.json).")
+    saved = adapter_metadata(found.path)
+    if saved is None:
+        raise CheckpointError(f"{found.path} holds a whole model, not LoRA adapters: there is nothing to merge.")
+    if layout.find_checkpoint(Path(output)).path is not None:
+        raise CheckpointError(f"{output} already holds a checkpoint; give an empty or new folder for the merged model.")
+    config.peft = LoRAConfig(**{f.name: saved[f.name] for f in dataclasses.fields(LoRAConfig) if f.name in saved})
+    ckpt = config.checkpoint
+    ckpt.load, ckpt.pretrained_checkpoint, ckpt.ckpt_step = str(found.path), base or saved.get("base_checkpoint"), None
+    ckpt.save, ckpt.save_optim, ckpt.save_rng = output, False, False
+    with run_session(config) as state:
+        model = build_model(config, initialize(state))
+        load_checkpoint(state, model, None, None, weights_only=True)
+        merge_lora(model)
+        config.peft = None  # the merged checkpoint is a plain model, and its run_config.yaml says so
+        state.train_state.step = found.iteration
+        return save_checkpoint(state, model, None, None, checkpointing_context={})

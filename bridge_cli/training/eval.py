@@ -1,0 +1,80 @@
+"""evaluate_checkpoint(config, forward_step_func): the loss and perplexity of a saved model.
+
+Loads the weights of ``checkpoint.load`` (any tensor/pipeline layout it was saved with, resharded
+to this config's; with ``peft=lora``, an adapter checkpoint on top of its base) and runs
+``train.eval_iters`` global batches of the validation and the test split through
+:func:`bridge_cli.training.train.evaluate`, on the CPU or GPUs. Each split is read from its first
+sample, so every checkpoint is scored on the same batches: those the first validation of a
+training run reads (later validations of that run move on through the split).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from bridge_cli.config.errors import ConfigError
+from bridge_cli.training.config import ConfigContainer
+from bridge_cli.training.forward_step_func_types import ForwardStepCallable
+
+
+@dataclass
+class EvalReport:
+    """What ``bridge eval`` prints and writes as JSON."""
+
+    checkpoint: str
+    iteration: int
+    eval_iters: int
+    global_batch_size: int
+    seq_length: int
+    splits: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Per split ("validation", "test"): each reported loss and its perplexity ("lm loss", "lm loss PPL")."""
+
+
+def evaluate_checkpoint(config: ConfigContainer, forward_step_func: ForwardStepCallable) -> Optional[EvalReport]:
+    """Evaluate ``checkpoint.load``; the report on the last rank (which holds the losses), None on the others."""
+    from bridge_cli.checkpoint.load import load_checkpoint
+    from bridge_cli.training.pretrain import run_session
+    from bridge_cli.training.setup import build_data_iterators, build_model, initialize
+    from bridge_cli.training.train import evaluate
+    from bridge_cli.training.utils.train_utils import is_last_rank, perplexity
+
+    found = _checkpoint_to_evaluate(config)
+    with run_session(config) as state:
+        runtime = initialize(state)
+        model = build_model(config, runtime)
+        load_checkpoint(state, model, None, None, weights_only=True)
+        batches = config.train.eval_iters * config.train.global_batch_size
+        _, valid, test = build_data_iterators(config, state, len(model), sizes=[0, batches, batches])
+        report = EvalReport(str(found.path), found.iteration, config.train.eval_iters, config.train.global_batch_size,
+                            config.model.seq_length)
+        if valid is None and test is None:
+            raise ConfigError("dataset", "has no validation or test split to evaluate on.",
+                              "Give the dataset a validation/test share (dataset.split) or files "
+                              "(validation.jsonl, test.jsonl), with dataset.do_validation / do_test left on.")
+        for split, iterator in (("validation", valid), ("test", test)):
+            if iterator is None:
+                continue
+            losses, _ = evaluate(state, forward_step_func, iterator, model, config.train.eval_iters)
+            report.splits[split] = {name: value for key, loss in losses.items()
+                                    for name, value in ((key, loss), (f"{key} PPL", perplexity(loss)))}
+        return report if is_last_rank() else None
+
+
+def _checkpoint_to_evaluate(config: ConfigContainer):
+    from bridge_cli.checkpoint.errors import CheckpointError
+    from bridge_cli.checkpoint.layout import TRACKER, find_checkpoint
+
+    ckpt = config.checkpoint
+    if ckpt.load is None:
+        raise ConfigError("checkpoint.load", "is not set; it names the checkpoint to evaluate.",
+                          "Set checkpoint.load=DIR (a folder `bridge pretrain checkpoint.save=DIR` wrote, or one iter_* in it).")
+    if config.train.eval_iters < 1:
+        raise ConfigError("train.eval_iters", f"is {config.train.eval_iters}; evaluation needs at least one batch.",
+                          "Set train.eval_iters=N (N >= 1).")
+    found = find_checkpoint(Path(ckpt.load), ckpt.ckpt_step)
+    if found.path is None:
+        raise CheckpointError(f"checkpoint.load={ckpt.load}: no checkpoint there (no {TRACKER}, no iter_* folder, "
+                              "no metadata.json).")
+    return found

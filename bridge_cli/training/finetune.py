@@ -1,0 +1,48 @@
+"""finetune(config, forward_step_func): supervised fine-tuning, full or LoRA, from a pretrained checkpoint.
+
+As in Megatron-Bridge, fine-tuning is pretraining with a starting point: the same setup, loop,
+evaluation and checkpoints (see :func:`bridge_cli.training.pretrain.pretrain`). What differs
+comes from the config:
+
+- the weights come from ``checkpoint.pretrained_checkpoint`` (weights only, iteration 0), unless
+  ``checkpoint.load`` holds a checkpoint of the fine-tuning run itself, which resumes;
+- the data is usually ``dataset=finetune``: JSONL records whose loss falls on the answers only
+  (:mod:`bridge_cli.data.sft`), reduced with the token-weighted loss of ``gpt_step.forward_step``;
+- with ``peft=lora`` the base model is frozen, only the adapters train, and checkpoints hold the
+  adapters alone plus the path of the base (:mod:`bridge_cli.peft.lora`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from bridge_cli.config.data_configs import FinetuningDatasetConfig
+from bridge_cli.config.errors import ConfigError
+from bridge_cli.training.config import ConfigContainer
+from bridge_cli.training.forward_step_func_types import ForwardStepCallable
+
+
+def finetune(config: ConfigContainer, forward_step_func: ForwardStepCallable) -> None:
+    """Fine-tune ``config``'s model from ``checkpoint.pretrained_checkpoint`` (or resume ``checkpoint.load``)."""
+    from bridge_cli.training.pretrain import pretrain
+
+    check_finetune_inputs(config)
+    pretrain(config, forward_step_func)
+
+
+def check_finetune_inputs(config: ConfigContainer) -> None:
+    """Before any device work: a pretrained checkpoint to start from, and the training data."""
+    from bridge_cli.checkpoint.errors import CheckpointError
+    from bridge_cli.checkpoint.layout import TRACKER, find_checkpoint
+
+    ckpt = config.checkpoint
+    if ckpt.pretrained_checkpoint is None and ckpt.load is None:
+        raise ConfigError("checkpoint.pretrained_checkpoint", "is not set; fine-tuning starts from a pretrained model.",
+                          "Set checkpoint.pretrained_checkpoint=DIR, a folder `bridge pretrain checkpoint.save=DIR` wrote.")
+    if ckpt.pretrained_checkpoint is not None and find_checkpoint(Path(ckpt.pretrained_checkpoint)).path is None:
+        raise CheckpointError(f"checkpoint.pretrained_checkpoint={ckpt.pretrained_checkpoint}: no checkpoint there "
+                              f"(no {TRACKER}, no iter_* folder, no metadata.json).")
+    if isinstance(config.dataset, FinetuningDatasetConfig) and not config.train.skip_train:
+        from bridge_cli.data.sft import dataset_root
+
+        dataset_root(config.dataset)

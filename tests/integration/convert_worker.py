@@ -1,0 +1,49 @@
+"""Logits of bridge checkpoints under given tensor-parallel sizes; run alone or under torchrun.
+
+Used by test_convert_hf.py. For each ``--tp`` size and each ``--ckpt NAME=DIR``, the model of the
+checkpoint's run_config.yaml is built for that layout, the checkpoint is loaded into it
+(megatron-core reshards it), and rank 0 writes the logits of the tokens in ``--tokens`` over the
+real vocabulary (padding rows dropped) to ``OUT/NAME_tp<N>.pt``. One launch serves every
+checkpoint, since starting the processes costs far more than the models.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from bridge_cli.convert import mcore_io
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--ckpt", nargs="+", required=True, help="NAME=DIR, repeated")
+    parser.add_argument("--tokens", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--tp", type=int, nargs="+", default=[1])
+    args = parser.parse_args()
+
+    tokens = torch.load(args.tokens)
+    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+    checkpoints = {name: mcore_io.find(Path(folder)) for name, folder in (item.split("=", 1) for item in args.ckpt)}
+    for tp in args.tp:
+        mcore_io.init_process(tp)
+        for name, path in checkpoints.items():
+            # parallel_output=False gathers the vocabulary shards of the logits onto every rank
+            config = mcore_io.model_config(mcore_io.saved_model_values(path), tensor_model_parallel_size=tp,
+                                           parallel_output=False)
+            model = mcore_io.build_model(config)
+            mcore_io.load_weights(model, config, path)
+            model.eval()
+            with torch.no_grad():
+                logits = model(tokens, positions, None)
+            if dist.get_rank() == 0:
+                torch.save(logits[..., : config.vocab_size].clone(), args.out / f"{name}_tp{tp}.pt")
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main()

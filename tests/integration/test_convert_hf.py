@@ -1,0 +1,273 @@
+"""`bridge convert-ckpt`: Hugging Face Llama / Mistral / Qwen2 <-> megatron-core, numerically exact.
+
+Tiny random fp32 models are built with transformers and imported through the real CLI; megatron-core
+loads the checkpoints at TP=1 and, resharding them, at TP=2 (torchrun, gloo) and must reproduce
+transformers' logits. Exports load in transformers with no missing or unexpected keys, round-trip
+bitwise, and carry what `bridge pretrain` trained (on two pipeline stages). Bad inputs fail with exit code 2, a message
+naming the file or tensor, and no output folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from tests.conftest import REPO, bridge, torchrun
+
+transformers = pytest.importorskip("transformers")
+from safetensors.torch import load_file, save_file  # noqa: E402  (installed with transformers)
+
+WORKER = Path(__file__).with_name("convert_worker.py")
+ATOL = 1e-4
+SHAPE = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=128)
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+MODELS = {
+    # untied, GQA, Llama 3.1 RoPE scaling, saved in several shards with an index
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(vocab_size=1000, rope_theta=500000.0, rope_scaling=LLAMA3_ROPE,
+                                                      tie_word_embeddings=False, rms_norm_eps=1e-5), "100KB"),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(vocab_size=768, sliding_window=4096,
+                                                            tie_word_embeddings=False), None),
+    # biases on q/k/v, tied embeddings
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(vocab_size=512, rope_theta=1000000.0,
+                                                      tie_word_embeddings=True), None),
+}
+
+
+def hf_model(name: str):
+    config_cls, model_cls, options, _ = MODELS[name]
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**SHAPE, **options)).float().eval()
+    with torch.no_grad():  # larger than the default init, so that every weight moves the logits
+        for param_name, param in model.named_parameters():
+            param.uniform_(0.5, 1.5) if "norm" in param_name else param.normal_(0.0, 0.1)
+    return model
+
+
+def reference(hf_dir: Path) -> Path:
+    return hf_dir.with_name(f"reference_{hf_dir.name}.pt")
+
+
+def hf_logits(folder: Path, tokens: torch.Tensor) -> torch.Tensor:
+    """Logits of the folder as transformers loads it, which must be without missing or unexpected keys."""
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
+                                                                    output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    with torch.no_grad():
+        return model.eval()(tokens).logits
+
+
+def safetensors_of(folder: Path) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for file in folder.glob("*.safetensors"):
+        tensors.update(load_file(file))
+    return tensors
+
+
+def ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    return result
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("convert")
+
+
+@pytest.fixture(scope="module")
+def tokens(work) -> torch.Tensor:
+    tokens = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(1))
+    torch.save(tokens, work / "tokens.pt")
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(work, tokens) -> dict[str, Path]:
+    """Each model saved as transformers saves it; its logits go to ``reference_<name>.pt`` beside it."""
+    dirs = {}
+    for name, (*_, max_shard_size) in MODELS.items():
+        model, folder = hf_model(name), work / f"hf_{name}"
+        model.save_pretrained(folder, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
+        with torch.no_grad():
+            torch.save(model(tokens).logits, reference(folder))
+        dirs[name] = folder
+    assert (dirs["llama"] / "model.safetensors.index.json").is_file()
+    return dirs
+
+
+@pytest.fixture(scope="module")
+def imported(work, hf_dirs) -> dict[str, Path]:
+    out = {}
+    for name, folder in hf_dirs.items():
+        out[name] = work / f"mcore_{name}"
+        result = ok(bridge("convert-ckpt", "import-hf", str(folder), str(out[name])))
+        assert f"recipe     {out[name] / 'recipe.yaml'}" in result.stdout
+    return out
+
+
+@pytest.fixture(scope="module")
+def trained(work, imported) -> Path:
+    """The imported Llama after three steps of `bridge pretrain` from its recipe, on two pipeline stages."""
+    save = work / "trained"
+    recipe = imported["llama"] / "recipe.yaml"
+    result = ok(torchrun(2, "pretrain", f"recipe={recipe}", f"checkpoint.pretrained_checkpoint={imported['llama']}",
+                         "model.pipeline_model_parallel_size=2", "train.train_iters=3", "train.eval_iters=0",
+                         f"checkpoint.save={save}"))
+    assert f"loaded checkpoint {imported['llama'] / 'iter_0000000'} (checkpoint.pretrained_checkpoint" in result.stdout
+    assert (save / "iter_0000003").is_dir()
+    return save
+
+
+@pytest.fixture(scope="module")
+def mcore_logits(work, imported, trained) -> dict[tuple[str, int], torch.Tensor]:
+    """megatron-core's logits of every checkpoint at TP=1 and TP=2, from one torchrun launch of two ranks."""
+    out = work / "logits"
+    out.mkdir()
+    checkpoints = [f"{name}={folder}" for name, folder in {**imported, "trained": trained}.items()]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    ok(subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                       str(WORKER), "--ckpt", *checkpoints, "--tokens", str(work / "tokens.pt"), "--out", str(out),
+                       "--tp", "1", "2"], env=env, capture_output=True, text=True, timeout=600, cwd=REPO))
+    return {(file.stem.rsplit("_tp", 1)[0], int(file.stem.rsplit("_tp", 1)[1])): torch.load(file)
+            for file in out.glob("*.pt")}
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_imported_model_reproduces_transformers_logits(name, tp, hf_dirs, mcore_logits):
+    expected = torch.load(reference(hf_dirs[name]))
+    got = mcore_logits[(name, tp)]
+    assert got.shape == expected.shape
+    assert (got - expected).abs().max().item() < ATOL
+
+
+def test_import_writes_a_checkpoint_and_recipe_in_the_project_layout(imported):
+    for name, folder in imported.items():
+        assert (folder / "latest_checkpointed_iteration.txt").read_text() == "0"
+        assert (folder / "iter_0000000" / "metadata.json").is_file()
+        assert (folder / "iter_0000000" / "run_config.yaml").is_file()
+        assert not folder.with_name(folder.name + ".incomplete").exists()
+        recipe = yaml.safe_load((folder / "recipe.yaml").read_text())
+        model = recipe["model"]
+        assert model["vocab_size"] % model["make_vocab_size_divisible_by"] == 0  # no padding rows at TP=1
+        assert recipe["checkpoint"]["pretrained_checkpoint"] == str(folder.resolve())
+        assert model["add_qkv_bias"] == (name == "qwen2")
+        assert model["share_embeddings_and_output_weights"] == (name == "qwen2")
+        assert model["rope_scaling"] == (name == "llama")
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_round_trip_gives_identical_tensors(name, work, hf_dirs, imported, tokens):
+    out = work / f"roundtrip_{name}"
+    ok(bridge("convert-ckpt", "export-hf", str(imported[name]), str(out)))
+    original, exported = safetensors_of(hf_dirs[name]), safetensors_of(out)
+    assert sorted(exported) == sorted(original)
+    for key, tensor in original.items():
+        assert exported[key].dtype == tensor.dtype and torch.equal(exported[key], tensor), key
+    assert json.loads((out / "config.json").read_text())["model_type"] == name
+    assert torch.equal(hf_logits(out, tokens), torch.load(reference(hf_dirs[name])))
+
+
+def test_export_after_training_carries_the_trained_weights(work, hf_dirs, trained, mcore_logits, tokens):
+    out = work / "trained_hf"
+    ok(bridge("convert-ckpt", "export-hf", str(trained), str(out), "--max-shard-size", "300KB"))
+    assert (out / "model.safetensors.index.json").is_file() and len(list(out.glob("*.safetensors"))) > 1
+    logits = hf_logits(out, tokens)
+    for tp in (1, 2):
+        assert (logits - mcore_logits[("trained", tp)]).abs().max().item() < ATOL
+    assert (logits - torch.load(reference(hf_dirs["llama"]))).abs().max().item() > 1e-3  # it trained
+
+
+def test_pretrain_from_a_hugging_face_folder_says_convert_first(hf_dirs):
+    result = bridge("pretrain", "recipe=tiny", f"checkpoint.pretrained_checkpoint={hf_dirs['qwen2']}",
+                    "train.train_iters=1")
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert (f"{hf_dirs['qwen2']} is a Hugging Face model folder; convert it first: "
+            f"bridge convert-ckpt import-hf {hf_dirs['qwen2']} OUT_DIR") in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.fixture
+def broken(tmp_path, hf_dirs) -> Path:
+    """A copy of the one-file Mistral folder for a test to damage."""
+    folder = tmp_path / "hf"
+    shutil.copytree(hf_dirs["mistral"], folder)
+    return folder
+
+
+def edit_config(folder: Path, **changes) -> None:
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **changes}))
+
+
+def edit_tensors(folder: Path, edit) -> None:
+    tensors = load_file(folder / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+def truncate(file: Path) -> None:
+    with open(file, "r+b") as f:
+        f.truncate(file.stat().st_size - 100)
+
+
+@pytest.mark.parametrize("damage, args, fragments", [
+    (lambda f: edit_config(f, model_type="gpt2"), [],
+     ["model_type 'gpt2' is not supported", "Supported: llama, mistral, qwen2"]),
+    (lambda f: (f / "config.json").unlink(), [], ["has no config.json"]),
+    (lambda f: edit_tensors(f, lambda t: t.pop("model.layers.1.mlp.up_proj.weight")), [],
+     ["tensor model.layers.1.mlp.up_proj.weight is missing"]),
+    (lambda f: edit_config(f, intermediate_size=192), [],
+     ["model.safetensors: tensor model.layers.0.mlp.gate_proj.weight has shape (160, 64); "
+      "config.json implies (192, 64)"]),
+    (lambda f: edit_tensors(f, lambda t: t.update({"model.layers.0.self_attn.q_norm.weight": torch.ones(16)})), [],
+     ["tensors a mistral model does not have: model.layers.0.self_attn.q_norm.weight"]),
+    (lambda f: truncate(f / "model.safetensors"), [], ["model.safetensors: not a readable safetensors file"]),
+    (lambda f: (f / "model.safetensors").unlink(), [], ["holds no *.safetensors file"]),
+    (lambda f: edit_config(f, rope_scaling={"rope_type": "yarn", "factor": 4.0}), [], ["RoPE scaling 'yarn'"]),
+    # fails after the output folder was started: megatron-core refuses 4 heads over TP=3
+    (lambda f: None, ["--tp", "3"], ["megatron-core rejected"]),
+    (lambda f: None, ["--seq-length", "4096"], ["--seq-length: 4096 is longer than the model supports (128"]),
+])
+def test_import_errors_name_the_problem_and_leave_no_output(cli, broken, tmp_path, damage, args, fragments):
+    damage(broken)
+    out = tmp_path / "out"
+    result = cli("convert-ckpt", "import-hf", str(broken), str(out), *args)
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith("error: ") and "Traceback" not in result.output
+    for fragment in fragments:
+        assert fragment in result.stderr, result.stderr
+    assert not out.exists() and not (tmp_path / "out.incomplete").exists()
+
+
+def test_conversions_refuse_a_non_empty_output_folder(cli, hf_dirs, imported, tmp_path):
+    out = tmp_path / "taken"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    for args in (["import-hf", str(hf_dirs["mistral"])], ["export-hf", str(imported["mistral"])]):
+        result = cli("convert-ckpt", *args, str(out))
+        assert result.exit_code == 2 and f"{out} already exists and is not empty" in result.stderr
+        assert f"{out}_2" in result.stderr
+    assert [p.name for p in out.iterdir()] == ["notes.txt"]
+
+
+def test_export_refuses_a_model_transformers_cannot_hold(cli, imported, tmp_path):
+    ckpt = tmp_path / "gpt"
+    shutil.copytree(imported["mistral"], ckpt)
+    run_config = ckpt / "iter_0000000" / "run_config.yaml"
+    run_config.write_text(run_config.read_text().replace("normalization: RMSNorm", "normalization: LayerNorm"))
+    result = cli("convert-ckpt", "export-hf", str(ckpt), str(tmp_path / "out"))
+    assert result.exit_code == 2 and "export-hf writes Llama-style models" in result.stderr
+    assert "model.normalization=LayerNorm" in result.stderr and not (tmp_path / "out").exists()
+    empty = cli("convert-ckpt", "export-hf", str(tmp_path / "nothing"), str(tmp_path / "out"))
+    assert empty.exit_code == 2 and "no checkpoint there" in empty.stderr
