@@ -1,0 +1,49 @@
+"""Features whose GPU path differs from the CPU one: NVML energy, CUDA timers, LoRA in bf16 with
+the distributed optimizer, and a Hugging Face import trained in bf16."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tests.conftest import bridge
+from tests.integration.sft_setup import pretrained_base, write_sft_data
+from tests.integration.test_pretrain_cpu import losses
+
+pytestmark = pytest.mark.gpu
+
+
+def test_energy_and_timers_are_reported():
+    result = bridge("pretrain", "recipe=gpt2_124m", "train.global_batch_size=64", "train.train_iters=10",
+                    "logger.log_interval=5", "train.eval_iters=0", "logger.log_energy=true", "logger.timing_log_level=1")
+    assert result.returncode == 0, result.stderr[-3000:]
+    readings = re.findall(r"\| energy/gpu ([0-9.]+) J/iter \| power/gpu ([0-9]+) W", result.stdout)
+    assert len(readings) == 2 and all(float(j) > 0 and int(w) > 0 for j, w in readings), result.stdout[-2000:]
+    assert "(min, max) time across ranks (ms):" in result.stdout and "forward-backward" in result.stdout
+
+
+def test_lora_finetunes_in_bf16_with_the_distributed_optimizer(tmp_path):
+    base, _ = pretrained_base(tmp_path)
+    data = write_sft_data(tmp_path / "sft")
+    result = bridge("finetune", "recipe=tiny_sft", "peft=lora", "mixed_precision=bf16_mixed",
+                    "optimizer.use_distributed_optimizer=true", f"checkpoint.pretrained_checkpoint={base}",
+                    f"dataset.dataset_root={data}", "train.train_iters=24", "logger.log_interval=4")
+    assert result.returncode == 0, result.stderr[-3000:]
+    curve = losses(result.stdout)
+    assert "cuda (nccl)" in result.stdout and curve[24] < 0.7 * curve[4], curve
+
+
+def test_hugging_face_import_trains_in_bf16(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hf = tmp_path / "hf"
+    LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=704, num_hidden_layers=2,
+                                 num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512)
+                     ).save_pretrained(hf)
+    out = tmp_path / "mcore"
+    assert bridge("convert-ckpt", "import-hf", str(hf), str(out), "--recipe", "llama1b").returncode == 0
+    result = bridge("pretrain", f"recipe={out}/recipe.yaml", "train.train_iters=10", "logger.log_interval=5",
+                    "train.eval_iters=0", "scheduler.lr_warmup_iters=1", "scheduler.lr_decay_iters=10")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"loaded checkpoint {out}/iter_0000000" in result.stdout and len(losses(result.stdout)) == 2
