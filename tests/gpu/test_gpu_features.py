@@ -31,7 +31,7 @@ def test_lora_finetunes_in_bf16_with_the_distributed_optimizer(tmp_path):
                     f"dataset.dataset_root={data}", "train.train_iters=24", "logger.log_interval=4")
     assert result.returncode == 0, result.stderr[-3000:]
     curve = losses(result.stdout)
-    assert "cuda (nccl)" in result.stdout and curve[24] < 0.7 * curve[4], curve
+    assert "cuda (nccl)" in result.stdout and len(curve) == 6 and curve[-1] < 0.7 * curve[0], curve
 
 
 def test_hugging_face_import_trains_in_bf16(tmp_path):
