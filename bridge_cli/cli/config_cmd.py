@@ -36,16 +36,17 @@ def docs(section: Annotated[Optional[str], typer.Argument(help="e.g. train, mode
     quiet_known_noise()
 
     from bridge_cli.config.mcore_schema import field_docs, schema_fields
-    from bridge_cli.config.schema import DATASETS, SECTIONS, mcore_sections
+    from bridge_cli.config.schema import DATASETS, PEFT, SECTIONS, mcore_sections
 
-    sections = {**SECTIONS, **{f"dataset ({k})": v for k, v in DATASETS.items()}}
+    sections = {**SECTIONS, **{f"dataset ({k})": v for k, v in DATASETS.items()},
+                **{f"peft ({k})": v for k, v in PEFT.items()}}
     mcore = mcore_sections()
     for name in ([section] if section else [*sections, *mcore]):
         if name in mcore:
             rows = [(f.name, f.default) for f in schema_fields(mcore[name])]
             docs_ = field_docs(mcore[name])
-        elif name in sections or f"dataset ({name})" in sections:
-            cls = sections.get(name) or sections[f"dataset ({name})"]
+        elif name in sections or f"dataset ({name})" in sections or name in ("peft", "lora"):
+            cls = sections.get(name) or sections.get(f"dataset ({name})") or PEFT["lora"]
             rows = [(f.name, f.default if f.default is not dataclasses.MISSING else f.default_factory())
                     for f in dataclasses.fields(cls)]
             docs_ = field_docs(cls)

@@ -114,6 +114,13 @@ class HuggingFaceTokenizer:
         self.eod = self._tokenizer.eos_token_id
         self.bos = self._tokenizer.bos_token_id
         self.pad = -1 if self._tokenizer.pad_token_id is None else self._tokenizer.pad_token_id
+        if getattr(self._tokenizer, "chat_template", None):
+            # Only then: fine-tuning renders chats with the model's own template when the tokenizer
+            # has one, and with bridge's simple template otherwise (bridge_cli.data.sft).
+            self.apply_chat_template = self._apply_chat_template
+
+    def _apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        return self._tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
     def tokenize(self, text: str) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=False)

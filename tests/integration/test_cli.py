@@ -85,5 +85,7 @@ def test_config_docs_shows_each_field_with_default_and_description():
     model = bridge("config", "docs", "model")
     assert "num_layers = 0" in model.stdout and "Number of transformer layers" in model.stdout
     assert model.stderr == ""
+    peft = bridge("config", "docs", "peft")
+    assert peft.returncode == 0 and "dim = 32" in peft.stdout and "LoRA rank" in peft.stdout
     unknown = bridge("config", "docs", "nope")
-    assert unknown.returncode == 2 and "Sections: rng" in unknown.stderr
+    assert unknown.returncode == 2 and "Sections: rng" in unknown.stderr and "peft (lora)" in unknown.stderr

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -166,3 +167,24 @@ def test_tokenizer_fields_bridge_does_not_honour_are_errors(override, key):
     with pytest.raises(ConfigError, match=key):
         container(override)
     assert container("model.make_vocab_size_divisible_by=64").tokenizer.make_vocab_size_divisible_by == 64
+
+
+def test_a_hugging_face_chat_template_renders_fine_tuning_chats(hf_folder, tmp_path):
+    import shutil
+
+    from bridge_cli.data.sft import record_segments
+
+    plain = build_tokenizer(hf(hf_folder))
+    assert not hasattr(plain, "apply_chat_template")  # no template: bridge's own is used
+    folder = tmp_path / "chat"
+    shutil.copytree(hf_folder, folder)
+    config_file = folder / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config["chat_template"] = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+                               "{% if add_generation_prompt %}[assistant] {% endif %}")
+    config_file.write_text(json.dumps(config))
+    chat = build_tokenizer(hf(folder))
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    segments = record_segments({"messages": messages}, chat)
+    text = {answer: chat.detokenize([i for ids, a in segments if a == answer for i in ids]) for answer in (False, True)}
+    assert text == {False: "[user] hi\n[assistant] ", True: "hello\n"}
