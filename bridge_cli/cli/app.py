@@ -90,19 +90,7 @@ def print_dry_run(recipe: str, container) -> None:
 def pretrain(overrides: Overrides = None, recipes_dir: RecipesDir = None, dry_run: DryRun = False,
              world_size: WorldSize = None, resume: Resume = ResumeMode.auto, debug: Debug = False) -> None:
     """Pretrain a model: `bridge pretrain recipe=tiny train.train_iters=50`."""
-    recipe, container = load_config(overrides, recipes_dir, world_size)
-    if dry_run:
-        if is_rank_zero():
-            print_dry_run(recipe, container)
-        return
-    from bridge_cli.checkpoint.load import resolve_resume
-    from bridge_cli.training.gpt_step import forward_step
-    from bridge_cli.training.pretrain import pretrain as run_pretrain
-
-    for line in resolve_resume(container.checkpoint, resume.value):
-        if is_rank_zero():
-            print(line, flush=True)
-    run_pretrain(container, forward_step)
+    _train("pretrain", overrides, recipes_dir, dry_run, world_size, resume)
 
 
 @app.command()
@@ -111,19 +99,27 @@ def finetune(overrides: Overrides = None, recipes_dir: RecipesDir = None, dry_ru
              world_size: WorldSize = None, resume: Resume = ResumeMode.auto, debug: Debug = False) -> None:
     """Fine-tune from a pretrained checkpoint: `bridge finetune recipe=tiny checkpoint.pretrained_checkpoint=DIR
     dataset=finetune dataset.dataset_root=DATA` (add peft=lora for LoRA)."""
+    _train("finetune", overrides, recipes_dir, dry_run, world_size, resume)
+
+
+def _train(entry: str, overrides, recipes_dir, dry_run: bool, world_size, resume: ResumeMode) -> None:
+    """pretrain and finetune: compose and validate, stop at --dry-run, apply --resume, then call
+    bridge_cli.training's entry point of that name with the GPT forward step."""
+    import importlib
+
     recipe, container = load_config(overrides, recipes_dir, world_size)
     if dry_run:
         if is_rank_zero():
             print_dry_run(recipe, container)
         return
     from bridge_cli.checkpoint.load import resolve_resume
-    from bridge_cli.training.finetune import finetune as run_finetune
     from bridge_cli.training.gpt_step import forward_step
 
+    run = getattr(importlib.import_module(f"bridge_cli.training.{entry}"), entry)
     for line in resolve_resume(container.checkpoint, resume.value):
         if is_rank_zero():
             print(line, flush=True)
-    run_finetune(container, forward_step)
+    run(container, forward_step)
 
 
 @app.command("eval")
