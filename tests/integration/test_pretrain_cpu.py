@@ -58,6 +58,16 @@ def test_pipeline_parallel_on_cpu_trains():
     assert "PP 2" in result.stdout and len(curve) == 12 and curve[-1] < 0.8 * curve[0]
 
 
+def test_interleaved_pipeline_on_cpu_trains():
+    """Two virtual stages per pipeline rank: megatron-core's interleaved 1F1B schedule over gloo."""
+    result = torchrun(2, "pretrain", *SHORT, "model.num_layers=4", "model.pipeline_model_parallel_size=2",
+                      "model.virtual_pipeline_model_parallel_size=2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    curve = losses(result.stdout)
+    assert "2 virtual stages per pipeline rank" in result.stdout
+    assert len(curve) == 12 and curve[-1] < 0.8 * curve[0], curve
+
+
 def test_every_forward_step_signature_and_loss_pattern(single_process_curve):
     result = run(sys.executable, "tests/integration/pretrain_variants.py")
     assert result.returncode == 0, result.stderr[-3000:]
