@@ -13,7 +13,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 import torch.distributed as dist
 
-from bridge_cli.models.model_hooks import (  # noqa: F401  (the reference's import path)
+from bridge_cli.models.model_hooks import (  # re-exported: the reference's import path
     LinearForLastLayer,
     ModelHook,
     ModelList,
@@ -21,6 +21,14 @@ from bridge_cli.models.model_hooks import (  # noqa: F401  (the reference's impo
     freeze_moe_router,
     make_value_model,
 )
+
+__all__ = [
+    "LinearForLastLayer", "ModelHook", "ModelList", "create_value_head_hook", "freeze_moe_router",
+    "grad_norm_is_finite", "is_last_rank", "logical_and_across_model_parallel_group", "make_value_model",
+    "maybe_inject_state", "needs_global_state_injection", "num_floating_point_operations", "perplexity",
+    "prepare_forward_step_func", "reduce_loss_dict", "reduce_max_memory_across_pp_group",
+    "reduce_max_stat_across_model_parallel_group", "weights_match_across_dp_replicas",
+]
 
 
 def reduce_loss_dict(losses_reduced: list[dict]) -> dict[str, torch.Tensor]:
