@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import sys
 
+import pytest
+
 from tests.conftest import REPO, bridge, run
 
 
@@ -71,6 +73,19 @@ def test_dry_run_for_a_given_world_size():
                     "model.tensor_model_parallel_size=2", "model.pipeline_model_parallel_size=2")
     assert result.returncode == 0, result.stderr
     assert "data_parallel_size: 4" in result.stdout and "micro_batches_per_step: 128" in result.stdout
+
+
+@pytest.mark.parametrize("world, layout, dp", [
+    (8, ["model.tensor_model_parallel_size=2"], 4),
+    (8, ["model.tensor_model_parallel_size=2", "model.pipeline_model_parallel_size=2"], 2),
+    (16, ["model.tensor_model_parallel_size=4", "model.pipeline_model_parallel_size=2"], 2),
+    (64, ["model.tensor_model_parallel_size=8", "model.pipeline_model_parallel_size=2",
+          "model.virtual_pipeline_model_parallel_size=4"], 4),
+])
+def test_llama8b_layouts_for_8_to_64_gpus_validate(cli, world, layout, dp):
+    result = cli("pretrain", "recipe=llama8b", "--dry-run", "--world-size", str(world), *layout)
+    assert result.exit_code == 0, result.output
+    assert f"data_parallel_size: {dp}" in result.output and f"world_size: {world}" in result.output
 
 
 def test_convert_ckpt_of_a_missing_folder_says_so_and_exits_2():
