@@ -32,7 +32,10 @@ def run_failures() -> tuple[type[BaseException], ...]:
 
 
 def report(err: BaseException) -> None:
-    typer.secho(f"error: {err}", fg=typer.colors.RED, err=True)
+    # megatron-core's module builder re-raises with " when instantiating <Module>" appended per level:
+    # where in megatron-core it surfaced says nothing to the user.
+    message = str(err).split(" when instantiating ", 1)[0]
+    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
 
 
 def handles_user_errors(command: Callable) -> Callable:

@@ -110,9 +110,7 @@ def _sdpa_mask(mask_type: AttnMaskType, attention_mask, q: torch.Tensor, k: torc
 
 
 def _check_supported(config, layer_number: int) -> None:
-    unsupported = []
-    if config.context_parallel_size > 1:
-        unsupported.append(f"model.context_parallel_size={config.context_parallel_size}")
+    unsupported = []  # context parallelism is refused earlier, with the layer spec (models/specs.py)
     if getattr(config, "softmax_type", "vanilla") != "vanilla":
         unsupported.append(f"model.softmax_type={config.softmax_type}")
     if is_layer_window_attention(config.window_size, config.window_attn_skip_freq, layer_number):

@@ -51,6 +51,11 @@ def layer_spec(name: str, config: TransformerConfig) -> ModuleSpec:
             )
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(**options)
     if name in ("local", "torch"):
+        if config.context_parallel_size > 1:
+            raise RuntimeUnavailable(
+                f"model.context_parallel_size={config.context_parallel_size} needs Transformer Engine's attention; "
+                f"the {name} layer spec has none. Use model.spec=te (needs transformer_engine) or "
+                "model.context_parallel_size=1.")
         spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization=config.normalization, **options)
         _check_sequence_parallel(name, spec, config)
         if name == "torch":
