@@ -42,20 +42,19 @@ def peak_tflops(configured: Optional[float]) -> Optional[float]:
     return next((peak for fragment, peak in PEAK_BF16_TFLOPS.items() if fragment in name), None)
 
 
-def memory_report(when: str) -> str:
-    """CUDA memory in GiB, the maximum over pipeline stages (the first stage usually peaks highest).
-
-    A collective over the pipeline group.
-    """
+def memory_report(when: str, across_pipeline: bool = True) -> str:
+    """CUDA memory in GiB; ``across_pipeline``: the maximum over pipeline stages (the first stage
+    usually peaks highest), a collective over the pipeline group, so only where every rank calls it."""
     from megatron.core import parallel_state
 
     from bridge_cli.training.utils.train_utils import reduce_max_memory_across_pp_group
 
     gib = 2 ** 30
-    memory = reduce_max_memory_across_pp_group(
-        {"allocated": torch.cuda.memory_allocated() / gib, "peak allocated": torch.cuda.max_memory_allocated() / gib,
-         "reserved": torch.cuda.memory_reserved() / gib}, parallel_state.get_pipeline_model_parallel_group())
-    stages = parallel_state.get_pipeline_model_parallel_world_size()
+    memory = {"allocated": torch.cuda.memory_allocated() / gib, "peak allocated": torch.cuda.max_memory_allocated() / gib,
+              "reserved": torch.cuda.memory_reserved() / gib}
+    stages = parallel_state.get_pipeline_model_parallel_world_size() if across_pipeline else 1
+    if stages > 1:
+        memory = reduce_max_memory_across_pp_group(memory, parallel_state.get_pipeline_model_parallel_group())
     where = f"max over {stages} pipeline stages" if stages > 1 else f"rank {dist.get_rank()}"
     return f"memory {when} ({where}): " + " | ".join(f"{k} {v:.2f} GiB" for k, v in memory.items())
 
@@ -188,6 +187,7 @@ class TrainingLogger:
 
     def close(self) -> None:
         if self.state.runtime.is_cuda:
-            self.console.print(memory_report("at the end of training"))
+            # Local only: close() also runs when one rank stopped early (a NaN loss), where a collective would hang.
+            self.console.print(memory_report("at the end of training", across_pipeline=False))
         self.console.close()
         self.writer.close()
