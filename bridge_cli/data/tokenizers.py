@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from pathlib import Path
 from typing import Iterable, Optional, Protocol, runtime_checkable
@@ -169,6 +170,15 @@ class SentencePieceTokenizer:
         return OrderedDict(cls="bridge_cli.SentencePieceTokenizer", path=self.path, vocab_size=self.vocab_size)
 
 
+@functools.lru_cache(maxsize=4)
+def _from_files(kind: str, path: str, trust_remote_code: bool) -> Tokenizer:
+    """Loaded once per process: validation (which sizes the model's vocabulary from it) and the
+    data pipeline ask for the same tokenizer, and a large one takes a second to read."""
+    if kind == "HuggingFaceTokenizer":
+        return HuggingFaceTokenizer(path, trust_remote_code)
+    return SentencePieceTokenizer(path)
+
+
 def build_tokenizer(config: TokenizerConfig, vocab_size: Optional[int] = None) -> Tokenizer:
     """The tokenizer ``config`` names; ``vocab_size`` is the model's, used by the null tokenizer
     when the config has none."""
@@ -182,9 +192,7 @@ def build_tokenizer(config: TokenizerConfig, vocab_size: Optional[int] = None) -
             raise ConfigError("tokenizer.tokenizer_model", f"is not set; {kind} reads its vocabulary from local files.",
                               "Set tokenizer.tokenizer_model=PATH (a folder for HuggingFaceTokenizer, "
                               "a .model file for SentencePieceTokenizer).")
-        if kind == "HuggingFaceTokenizer":
-            return HuggingFaceTokenizer(config.tokenizer_model, config.trust_remote_code)
-        return SentencePieceTokenizer(config.tokenizer_model)
+        return _from_files(kind, config.tokenizer_model, config.trust_remote_code)
     raise ConfigError("tokenizer.tokenizer_type", f"{kind} is not a tokenizer bridge knows.",
                       "Use NullTokenizer, ByteLevelTokenizer, HuggingFaceTokenizer or SentencePieceTokenizer.")
 

@@ -118,6 +118,9 @@ def test_a_folder_without_tokenizer_files_is_named(tmp_path):
 
 
 def test_missing_transformers_suggests_the_hf_extra(hf_folder, monkeypatch):
+    import bridge_cli.data.tokenizers as tokenizers
+
+    tokenizers._from_files.cache_clear()  # as in a fresh process: nothing loaded yet
     monkeypatch.setitem(sys.modules, "transformers", None)  # what `import transformers` meets when absent
     with pytest.raises(ConfigError) as err:
         build_tokenizer(hf(hf_folder))
