@@ -146,6 +146,14 @@ class Found:
     notes: list[str] = field(default_factory=list)
 
 
+def require_checkpoint(root: Path, step: Optional[int] = None, label: Optional[str] = None) -> Found:
+    """:func:`find_checkpoint`, or a CheckpointError naming ``label`` (default: ``root``) when there is none."""
+    found = find_checkpoint(Path(root), step)
+    if found.path is None:
+        raise CheckpointError(f"{label or root}: no checkpoint there (no {TRACKER}, no iter_* folder, no metadata.json).")
+    return found
+
+
 def find_checkpoint(root: Path, step: Optional[int] = None) -> Found:
     """The checkpoint to load from ``root``: ``iter_<step>`` if given, else the tracker's, else the newest.
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from bridge_cli.checkpoint import layout
 from bridge_cli.convert import hf_config
 from bridge_cli.convert.hf_files import check_output_free, parse_size, staged, write_safetensors
 
@@ -39,7 +40,7 @@ def export_hf(ckpt_dir: Path, out_dir: Path, step: Optional[int] = None, max_sha
     out_dir = Path(out_dir)
     check_output_free(out_dir)
     max_shard_bytes = parse_size(max_shard_size)
-    path = mcore_io.find(Path(ckpt_dir), step)
+    path = layout.require_checkpoint(Path(ckpt_dir), step).path
     model_cfg = mcore_io.model_config(mcore_io.saved_model_values(path))
     values = mcore_schema.to_yaml_values("model", GPTModelProvider, model_cfg)
     hf_config.check_exportable(values, path)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from bridge_cli.checkpoint import layout, state_dict, verify
 from bridge_cli.checkpoint.errors import CheckpointError
@@ -122,14 +122,6 @@ def load_weights(model, model_cfg, path: Path) -> None:
                                 category=FutureWarning)
         loaded = _read(path, lambda p: dist_checkpointing.load(template, p))
     model.load_state_dict(loaded["model"], strict=True)
-
-
-def find(root: Path, step: Optional[int] = None) -> Path:
-    """The checkpoint folder to read under ``root`` (the tracker's, the newest, or iteration ``step``)."""
-    found = layout.find_checkpoint(Path(root), step)
-    if found.path is None:
-        raise CheckpointError(f"{root}: no checkpoint there (no {layout.TRACKER}, no iter_* folder, no metadata.json).")
-    return found.path
 
 
 def _read(path: Path, read):

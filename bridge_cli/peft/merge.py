@@ -30,9 +30,7 @@ def merge_adapters(config: ConfigContainer, adapters: str, output: str, base: Op
     from bridge_cli.training.pretrain import run_session
     from bridge_cli.training.setup import build_model, initialize
 
-    found = layout.find_checkpoint(Path(adapters))
-    if found.path is None:
-        raise CheckpointError(f"{adapters}: no checkpoint there (no {layout.TRACKER}, no iter_* folder, no metadata.json).")
+    found = layout.require_checkpoint(Path(adapters))
     saved = adapter_metadata(found.path)
     if saved is None:
         raise CheckpointError(f"{found.path} holds a whole model, not LoRA adapters: there is nothing to merge.")

@@ -63,8 +63,7 @@ def evaluate_checkpoint(config: ConfigContainer, forward_step_func: ForwardStepC
 
 
 def _checkpoint_to_evaluate(config: ConfigContainer):
-    from bridge_cli.checkpoint.errors import CheckpointError
-    from bridge_cli.checkpoint.layout import TRACKER, find_checkpoint
+    from bridge_cli.checkpoint.layout import require_checkpoint
 
     ckpt = config.checkpoint
     if ckpt.load is None:
@@ -73,8 +72,4 @@ def _checkpoint_to_evaluate(config: ConfigContainer):
     if config.train.eval_iters < 1:
         raise ConfigError("train.eval_iters", f"is {config.train.eval_iters}; evaluation needs at least one batch.",
                           "Set train.eval_iters=N (N >= 1).")
-    found = find_checkpoint(Path(ckpt.load), ckpt.ckpt_step)
-    if found.path is None:
-        raise CheckpointError(f"checkpoint.load={ckpt.load}: no checkpoint there (no {TRACKER}, no iter_* folder, "
-                              "no metadata.json).")
-    return found
+    return require_checkpoint(Path(ckpt.load), ckpt.ckpt_step, label=f"checkpoint.load={ckpt.load}")

@@ -32,16 +32,15 @@ def finetune(config: ConfigContainer, forward_step_func: ForwardStepCallable) ->
 
 def check_finetune_inputs(config: ConfigContainer) -> None:
     """Before any device work: a pretrained checkpoint to start from, and the training data."""
-    from bridge_cli.checkpoint.errors import CheckpointError
-    from bridge_cli.checkpoint.layout import TRACKER, find_checkpoint
+    from bridge_cli.checkpoint.layout import require_checkpoint
 
     ckpt = config.checkpoint
     if ckpt.pretrained_checkpoint is None and ckpt.load is None:
         raise ConfigError("checkpoint.pretrained_checkpoint", "is not set; fine-tuning starts from a pretrained model.",
                           "Set checkpoint.pretrained_checkpoint=DIR, a folder `bridge pretrain checkpoint.save=DIR` wrote.")
-    if ckpt.pretrained_checkpoint is not None and find_checkpoint(Path(ckpt.pretrained_checkpoint)).path is None:
-        raise CheckpointError(f"checkpoint.pretrained_checkpoint={ckpt.pretrained_checkpoint}: no checkpoint there "
-                              f"(no {TRACKER}, no iter_* folder, no metadata.json).")
+    if ckpt.pretrained_checkpoint is not None:
+        require_checkpoint(Path(ckpt.pretrained_checkpoint),
+                           label=f"checkpoint.pretrained_checkpoint={ckpt.pretrained_checkpoint}")
     if isinstance(config.dataset, FinetuningDatasetConfig) and not config.train.skip_train:
         from bridge_cli.data.sft import dataset_root
 
