@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from bridge_cli.checkpoint import layout
 from bridge_cli.convert import mcore_io
 
 
@@ -28,7 +29,8 @@ def main() -> None:
 
     tokens = torch.load(args.tokens)
     positions = torch.arange(tokens.shape[1]).expand_as(tokens)
-    checkpoints = {name: mcore_io.find(Path(folder)) for name, folder in (item.split("=", 1) for item in args.ckpt)}
+    checkpoints = {name: layout.require_checkpoint(Path(folder)).path
+                   for name, folder in (item.split("=", 1) for item in args.ckpt)}
     for tp in args.tp:
         mcore_io.init_process(tp)
         for name, path in checkpoints.items():
