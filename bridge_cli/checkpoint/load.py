@@ -205,7 +205,7 @@ def _load(state, model: list, optimizer, scheduler, path: Path, weights_only: bo
         # a selection (base weights or adapters of a LoRA model) leaves the other keys as they are
         _read(path, f"the {key} weights", lambda: chunk.load_state_dict(loaded[key], strict=select is None))
     if load_optim:
-        _read(path, "the optimizer state", lambda: _load_optimizer(optimizer, loaded["optimizer"]))
+        _read(path, "the optimizer state", lambda: _load_optimizer(optimizer, loaded["optimizer"], state))
     elif optimizer is not None:
         # fp32 main copies of half-precision weights follow the loaded weights (or the checkpoint's fp32 ones)
         optimizer.reload_model_params(state_dict=loaded if ckpt.load_main_params_from_ckpt else None)
@@ -284,7 +284,7 @@ def _initialize_optimizer_state(optimizer) -> None:
 
 
 @torch.no_grad()  # the fp32 distributed optimizer copies into main params that are the model's own
-def _load_optimizer(optimizer, saved) -> None:
+def _load_optimizer(optimizer, saved, state) -> None:
     optimizer.load_state_dict(saved)
     # With torch's Adam, megatron-core's DistributedOptimizer saves the step count in each param
     # group and, loading, leaves the per-parameter "step" tensors at their placeholder value (and
@@ -297,6 +297,11 @@ def _load_optimizer(optimizer, saved) -> None:
                 if isinstance(step, torch.Tensor):
                     value = torch.full_like(step, float(group["step"])) if "step" in group else step.clone()
                     inner.state[param]["step"] = value
+    # torch takes fused/foreach from the checkpoint's param groups: this run's choice wins
+    if state.runtime.is_cuda and state.cfg.optimizer.use_torch_fused_adam:
+        from bridge_cli.runtime.optimizer import use_fused_adam
+
+        use_fused_adam(optimizer)
 
 
 def _load_scheduler(path: Path, scheduler, saved: dict) -> None:

@@ -1,9 +1,10 @@
 """YAML schemas derived from megatron-core's own config dataclasses, and the way back.
 
 The model, optimizer and ddp sections are megatron-core's ``TransformerConfig`` (through
-``GPTModelProvider``), ``OptimizerConfig`` and ``DistributedDataParallelConfig``. Their schema is
-read from the installed megatron-core, so every field of a type YAML can hold is settable by its
-megatron-core name, and a field this megatron-core lacks is an unknown-key error, not a silent drop.
+``GPTModelProvider``), ``OptimizerConfig`` (through ``bridge_cli.runtime.optimizer_config``) and
+``DistributedDataParallelConfig``. Their schema is read from the installed megatron-core, so
+every field of a type YAML can hold is settable by its megatron-core name, and a field this
+megatron-core lacks is an unknown-key error, not a silent drop.
 torch dtypes and activation functions are spelled by name in YAML and resolved here.
 """
 

@@ -56,9 +56,9 @@ PEFT: dict[str, type] = {"lora": LoRAConfig}
 def mcore_sections() -> dict[str, type]:
     """Sections whose schema is read from megatron-core's config classes (imports torch)."""
     from megatron.core.distributed import DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig
 
     from bridge_cli.models.provider import GPTModelProvider
+    from bridge_cli.runtime.optimizer_config import OptimizerConfig
 
     return {"model": GPTModelProvider, "optimizer": OptimizerConfig, "ddp": DistributedDataParallelConfig}
 

@@ -7,6 +7,9 @@ makes it build fp32 wrappers whose norm, clipping and loss scale run on the CPU 
 ``step() -> (update_successful, grad_norm, num_zeros_in_grad)``, ``zero_grad``, ``scale_loss``,
 ``get_loss_scale``, ``param_groups`` (what ``OptimizerParamScheduler`` drives),
 ``state_dict``/``load_state_dict``, ``sharded_state_dict`` and ``reload_model_params``.
+
+Without Transformer Engine or Apex, megatron-core builds torch's Adam with default arguments,
+which on CUDA means the foreach kernels; ``optimizer.use_torch_fused_adam`` makes it fused.
 """
 
 from __future__ import annotations
@@ -28,7 +31,11 @@ def build_optimizer(
     from megatron.core.optimizer import get_megatron_optimizer
 
     if runtime.is_cuda:
-        return get_megatron_optimizer(optimizer_config, model_chunks)
+        optimizer = get_megatron_optimizer(optimizer_config, model_chunks)
+        # a megatron-core OptimizerConfig (Python callers) lacks the field: the same default
+        if getattr(optimizer_config, "use_torch_fused_adam", True):
+            use_fused_adam(optimizer)
+        return optimizer
 
     from bridge_cli.runtime.cpu_optimizer import CPUChainedOptimizer, CPUFP32Optimizer
     from bridge_cli.runtime.cpu_patches import apply_cpu_patches
@@ -43,6 +50,27 @@ def build_optimizer(
             "megatron-core is not supported on the CPU. Train on a GPU machine."
         )
     return optimizer
+
+
+def use_fused_adam(optimizer: MegatronOptimizer) -> None:
+    """Make each torch Adam/AdamW inside a megatron-core optimizer run as one fused kernel per step.
+
+    Call before the first step. Transformer Engine's and Apex's FusedAdam are no torch Adam and
+    are left alone. Fused keeps each parameter's step counter on the parameter's device as fp32,
+    so counters that exist already (a loaded state) move there: calling it again after a load,
+    whose param groups bring the checkpoint's fused/foreach flags back, is safe.
+    """
+    import torch
+
+    for member in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(member, "optimizer", None)
+        if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+            continue
+        for group in (inner.defaults, *inner.param_groups):
+            group["fused"], group["foreach"] = True, False
+        for param, state in inner.state.items():
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].to(device=param.device, dtype=torch.float32)
 
 
 def check_cpu_optimizer_config(config: OptimizerConfig) -> None:

@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 from megatron.core.distributed import DistributedDataParallelConfig
-from megatron.core.optimizer import OptimizerConfig
 
 from bridge_cli.config import mcore_schema
 from bridge_cli.config.checkpoint_config import CheckpointConfig
@@ -39,6 +38,7 @@ from bridge_cli.config.runtime_configs import (
     StragglerDetectionConfig,
 )
 from bridge_cli.models.provider import GPTModelProvider
+from bridge_cli.runtime.optimizer_config import OptimizerConfig
 
 __all__ = [
     "CheckpointConfig", "ConfigContainer", "DataloaderConfig", "DistributedInitConfig",
