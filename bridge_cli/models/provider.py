@@ -52,6 +52,12 @@ class GPTModelProvider(TransformerConfig):
     parallel_output: bool = True
     """Keep the logits split across tensor-parallel ranks (the vocab-parallel loss needs this)."""
 
+    sdpa_backend: Literal["auto", "flash", "cudnn", "efficient", "math"] = "auto"
+    """Attention kernel of the torch spec: auto (torch picks per call) or only flash, cudnn, efficient or math."""
+
+    compile_layers: bool = False
+    """torch.compile each transformer layer in place; the layers share one compiled graph (regional compilation)."""
+
     @property
     def padded_vocab_size(self) -> int:
         multiple = self.make_vocab_size_divisible_by * self.tensor_model_parallel_size

@@ -5,6 +5,7 @@ and runs on the CPU. Unlike megatron-core's local ``DotProductAttention`` it mat
 ``[b, h, s, s]`` score tensor, builds no causal mask, and never forks the CUDA RNG tracker
 (attention dropout is SDPA's ``dropout_p``, drawn from the default generator). The forward
 does no host synchronisation, so it costs nothing per micro-batch beyond the kernel.
+``model.sdpa_backend`` pins one kernel (``torch.nn.attention.sdpa_kernel``), checked once at build.
 
 It is tensor-parallel by construction: ``linear_qkv`` has already split the heads, so the
 inputs are ``[s, b, heads, d]`` with this rank's heads and query groups, and head counts are
@@ -13,10 +14,14 @@ read from them (which also covers MLA's distinct value head size). It holds no p
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
+import warnings
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import is_layer_window_attention
@@ -26,6 +31,10 @@ from bridge_cli.runtime.errors import RuntimeUnavailable
 # ``enable_gqa`` (torch 2.5) lets the kernels read each key/value group for several query heads
 # instead of copying it; older torch gets an explicit repeat.
 _SDPA_HAS_GQA = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 5)
+
+BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+            "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
+"""``model.sdpa_backend`` values other than auto, and the torch kernel each one allows."""
 
 
 class SDPAttention(MegatronModule):
@@ -51,6 +60,12 @@ class SDPAttention(MegatronModule):
         head_dim = config.kv_channels
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        backend = getattr(config, "sdpa_backend", "auto")
+        # None lets torch pick per call; built here so that a call only enters the context.
+        self.backends = None if backend == "auto" else [BACKENDS[backend]]
+        if self.backends:
+            _check_backend(backend, config.params_dtype, self.dropout_p > 0,
+                           *_heads_per_rank(config), config.kv_channels)
 
     def forward(
         self,
@@ -78,16 +93,17 @@ class SDPAttention(MegatronModule):
             gqa = False
         mask, causal = _sdpa_mask(attn_mask_type or self.attn_mask_type, attention_mask, q, k)
         extra = {"enable_gqa": True} if gqa else {}
-        out = F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            attn_mask=mask,
-            dropout_p=self.dropout_p if self.training else 0.0,
-            is_causal=causal,
-            scale=self.softmax_scale,
-            **extra,
-        )
+        with sdpa_kernel(self.backends) if self.backends else contextlib.nullcontext():
+            out = F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=mask,
+                dropout_p=self.dropout_p if self.training else 0.0,
+                is_causal=causal,
+                scale=self.softmax_scale,
+                **extra,
+            )
         b, h, s, d = out.shape
         return out.permute(2, 0, 1, 3).reshape(s, b, h * d)
 
@@ -124,3 +140,42 @@ def _check_supported(config, layer_number: int) -> None:
             f"{', '.join(unsupported)} is not supported by the torch layer spec's SDPA attention; "
             "use model.spec=te (needs transformer_engine) or drop the setting."
         )
+
+
+def _heads_per_rank(config) -> tuple[int, int]:
+    tp = config.tensor_model_parallel_size
+    return config.num_attention_heads // tp, (config.num_query_groups or config.num_attention_heads) // tp
+
+
+@functools.lru_cache(maxsize=None)
+def _check_backend(name: str, dtype: torch.dtype, dropout: bool, heads: int, groups: int, head_dim: int) -> None:
+    """Refuse ``model.sdpa_backend=name`` where its kernel cannot run this attention; torch's own
+    error would come at the first step and name no key."""
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            return _probe(BACKENDS[name], device, dtype, dropout, heads, groups, head_dim)
+        except RuntimeError:
+            pass
+    # torch warns why it skipped each kernel: the first sentence of each, less those this check turned off
+    reasons = [str(w.message).split(" (Triggered internally")[0].split(". ")[0].strip().rstrip(".") for w in caught]
+    reasons = [r for r in reasons if r and not r.endswith("because:") and "runtime disabled" not in r]
+    reasons = reasons or [f"torch has no {name} kernel for {device.type}"]
+    raise RuntimeUnavailable(
+        f"model.sdpa_backend={name} cannot run this model's attention on {device.type}: {'; '.join(reasons)}. "
+        "Set model.sdpa_backend=auto to let torch pick a kernel per call, or model.sdpa_backend=math."
+    )
+
+
+def _probe(backend: SDPBackend, device, dtype, dropout: bool, heads: int, groups: int, head_dim: int) -> None:
+    """One small causal attention, forward and backward, that only ``backend`` may run."""
+    gqa = groups != heads and _SDPA_HAS_GQA
+    q = torch.zeros(1, heads, 16, head_dim, dtype=dtype, device=device, requires_grad=True)
+    kv = torch.zeros(1, groups if gqa else heads, 16, head_dim, dtype=dtype, device=device, requires_grad=True)
+    # fork_rng: a dropout probe must not move the generator the run's dropout masks are drawn from
+    with torch.enable_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
+            sdpa_kernel([backend]):
+        out = F.scaled_dot_product_attention(q, kv, kv, dropout_p=0.5 if dropout else 0.0, is_causal=True,
+                                             **({"enable_gqa": True} if gqa else {}))
+        out.sum().backward()

@@ -42,6 +42,12 @@ def layer_spec(name: str, config: TransformerConfig) -> ModuleSpec:
         multi_latent_attention=config.multi_latent_attention,
         qk_l2_norm=config.qk_l2_norm,
     )
+    sdpa_backend = getattr(config, "sdpa_backend", "auto")
+    if sdpa_backend != "auto" and name != "torch":
+        raise RuntimeUnavailable(
+            f"model.sdpa_backend={sdpa_backend} applies to the torch layer spec only, and model.spec={name}. "
+            "Set model.spec=torch, or model.sdpa_backend=auto."
+        )
     if name == "te":
         if not _transformer_engine_importable():
             raise RuntimeUnavailable(

@@ -66,7 +66,7 @@ def set_seeds(seed: int, runtime) -> None:
 
 def build_model(cfg: ConfigContainer, runtime) -> list:
     """One GPTModel per (virtual) pipeline stage this rank holds, on the run's device; with ``peft``,
-    frozen and carrying LoRA adapters."""
+    frozen and carrying LoRA adapters; with ``model.compile_layers``, its layers compiled."""
     from megatron.core import parallel_state
     from megatron.core.transformer.module import Float16Module
 
@@ -94,6 +94,10 @@ def build_model(cfg: ConfigContainer, runtime) -> list:
         counts = apply_lora(chunks, cfg.peft, cfg.rng.seed)
         if is_last_rank():
             print(f"{counts.describe(cfg.peft)} (rank {runtime.rank})", flush=True)
+    if cfg.model.compile_layers:
+        from bridge_cli.models.regional_compile import compile_layers
+
+        compile_layers(chunks)
     return chunks
 
 

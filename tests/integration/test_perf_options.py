@@ -1,0 +1,37 @@
+"""Performance options end to end on the CPU: compiled layers and a pinned attention kernel."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import bridge
+from tests.integration.test_pretrain_cpu import losses
+
+RUN = ["recipe=tiny", "train.train_iters=6", "logger.log_interval=1", "train.eval_iters=0"]
+
+
+def test_compiled_layers_share_one_graph_train_like_eager_and_save_the_same_checkpoint(tmp_path):
+    eager = bridge("pretrain", *RUN)
+    compiled = bridge("pretrain", *RUN, "model.compile_layers=true", f"checkpoint.save={tmp_path}",
+                      "checkpoint.save_interval=3", env={"TORCH_LOGS": "dynamo,graph_breaks,recompiles"})
+    assert eager.returncode == 0 and compiled.returncode == 0, compiled.stderr[-3000:]
+    assert len(losses(eager.stdout)) == 6
+    assert losses(compiled.stdout) == pytest.approx(losses(eager.stdout), rel=1e-3)
+    # the whole layer is one graph, compiled once: the second layer reuses the first one's
+    assert compiled.stderr.count("done compiler function inductor") == 1, compiled.stderr[-3000:]
+    assert "Graph break" not in compiled.stderr and "Recompiling" not in compiled.stderr, compiled.stderr[-3000:]
+    # an eager run resumes from the compiled run's checkpoint: its keys carry no `_orig_mod.`
+    resumed = bridge("pretrain", *RUN, f"checkpoint.load={tmp_path}", "checkpoint.ckpt_step=3")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming at iteration 3" in resumed.stdout
+    assert losses(resumed.stdout) == pytest.approx(losses(eager.stdout)[3:], rel=1e-3)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU has no efficient-attention kernel; a GPU has")
+def test_a_backend_the_cpu_lacks_is_refused_in_one_paragraph():
+    result = bridge("pretrain", "recipe=tiny", "train.train_iters=1", "model.sdpa_backend=efficient")
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.startswith("error: model.sdpa_backend=efficient cannot run this model's attention on cpu")
+    assert "Traceback" not in result.stderr and result.stderr.count("\n") <= 2, result.stderr
+    assert "model.sdpa_backend=auto" in result.stderr
