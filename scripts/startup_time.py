@@ -1,14 +1,18 @@
 """Start-up time of the `bridge` CLI on this machine: median wall time of each command.
 
-    python scripts/startup_time.py [--repeat 5]
+    python scripts/startup_time.py [--repeat 5] [--first-step RECIPE [OVERRIDE ...]]
 
 Reports seconds per command and the ratio to a bare `python -c pass`, so numbers from
 different machines compare. `--help` and `recipes list` must not import torch or megatron-core.
+With ``--first-step``, instead times `bridge pretrain recipe=RECIPE train.train_iters=1` from
+launch to its first iteration's log line and to the process's exit, and prints the start-up
+breakdown bridge logs (``start-up ...``).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import sys
@@ -33,10 +37,35 @@ def median_seconds(argv: list[str], repeat: int) -> float:
     return statistics.median(times)
 
 
+def first_step(recipe: str, overrides: list[str], repeat: int) -> None:
+    argv = [sys.executable, "-m", "bridge_cli", "pretrain", f"recipe={recipe}", "train.train_iters=1",
+            "logger.log_interval=1", "train.eval_iters=0", *overrides]
+    print(" ".join(argv[1:]))
+    print(f"{'run':>4} {'to first step (s)':>18} {'to exit (s)':>12}  breakdown")
+    for run in range(1, repeat + 1):
+        start = time.perf_counter()
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        first, breakdown, lines = None, "", []
+        for line in proc.stdout:
+            lines.append(line)
+            if first is None and line.startswith("iteration 1/"):
+                first = time.perf_counter() - start
+            if "start-up" in line:
+                breakdown = line.split("start-up", 1)[1].strip()
+        if proc.wait():
+            sys.exit(f"{' '.join(argv)} failed:\n{''.join(lines[-30:])}")
+        print(f"{run:>4} {first:>18.2f} {time.perf_counter() - start:>12.2f}  {breakdown}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--first-step", nargs="+", metavar=("RECIPE", "OVERRIDE"))
     args = parser.parse_args()
+    if args.first_step:
+        first_step(args.first_step[0], args.first_step[1:], args.repeat)
+        return
     base = median_seconds(COMMANDS["python -c pass"], args.repeat)
     print(f"{'command':<42} {'seconds':>8} {'x python':>9}")
     for name, argv in COMMANDS.items():
