@@ -84,6 +84,7 @@ def pretrain(config: ConfigContainer, forward_step_func: ForwardStepCallable) ->
         out = setup(state, checkpointing_context={})
         if is_last_rank():
             print(_describe(state, out.model), flush=True)
+            print(out.startup.summary(), flush=True)
         exit_code, ts, context = 0, state.train_state, out.checkpointing_context
         if config.logger.log_progress and config.checkpoint.save:
             from bridge_cli.logging.progress_log import append_to_progress_log

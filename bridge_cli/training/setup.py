@@ -10,6 +10,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from bridge_cli.logging.startup import StartupClock
 from bridge_cli.runtime.errors import RuntimeUnavailable
 from bridge_cli.training.config import ConfigContainer
 from bridge_cli.training.state import GlobalState
@@ -24,6 +25,7 @@ class SetupOutput:
     valid_data_iterator: Any
     test_data_iterator: Any
     checkpointing_context: dict
+    startup: StartupClock
 
 
 def check_device_support(cfg: ConfigContainer, is_cuda: bool) -> None:
@@ -199,13 +201,20 @@ def setup(state: GlobalState, checkpointing_context: Optional[dict] = None) -> S
     from bridge_cli.runtime.optimizer import build_optimizer
 
     cfg = state.cfg
+    clock = StartupClock()
+    clock.lap("python, imports and config")
     runtime = initialize(state)
+    clock.lap("process groups")
     # megatron-core's DDP and optimizer take only the parameters that require grad: with peft, the adapters
     model = wrap_model(build_model(cfg, runtime), cfg.ddp, runtime)
+    clock.lap("model")
     optimizer = build_optimizer(cfg.optimizer, model, runtime)
     configure_grad_sync(model, optimizer, cfg.dist.align_grad_reduce)
     scheduler = build_scheduler(cfg, optimizer)
+    clock.lap("optimizer")
     load_checkpoint(state, model, optimizer, scheduler)
+    clock.lap("checkpoint")
     train_it, valid_it, test_it = build_data_iterators(cfg, state, len(model))
+    clock.lap("data")
     return SetupOutput(model, optimizer, scheduler, train_it, valid_it, test_it,
-                       checkpointing_context if checkpointing_context is not None else {})
+                       checkpointing_context if checkpointing_context is not None else {}, clock)
