@@ -18,7 +18,6 @@ from bridge_cli.cli import config_cmd, peft_cmd, recipes_cmd
 from bridge_cli.cli import preprocess_cmd
 from bridge_cli.cli.convert_cmd import app as convert_app
 from bridge_cli.cli.errors import handles_user_errors
-from bridge_cli.logging.quiet import quiet_known_noise
 
 app = typer.Typer(
     name="bridge",
@@ -59,9 +58,12 @@ def is_rank_zero() -> bool:
     return os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"
 
 
-def load_config(overrides: list[str] | None, recipes_dir: list[Path] | None, world_size: int | None = None):
+def load_config(overrides: list[str] | None, recipes_dir: list[Path] | None, world_size: int | None = None,
+                runs_model: bool = True):
     """Compose, convert and validate one run's config; the recipe defaults to the tiny one."""
-    quiet_known_noise()
+    from bridge_cli.runtime.mcore_import import import_megatron_core
+
+    import_megatron_core(runs_model)
     from bridge_cli.config.compose import compose
     from bridge_cli.training.config import ConfigContainer
 
@@ -108,7 +110,7 @@ def _train(entry: str, overrides, recipes_dir, dry_run: bool, world_size, resume
     bridge_cli.training's entry point of that name with the GPT forward step."""
     import importlib
 
-    recipe, container = load_config(overrides, recipes_dir, world_size)
+    recipe, container = load_config(overrides, recipes_dir, world_size, runs_model=not dry_run)
     if dry_run:
         if is_rank_zero():
             print_dry_run(recipe, container)
@@ -130,7 +132,7 @@ def evaluate(overrides: Overrides = None, recipes_dir: RecipesDir = None, dry_ru
              output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Also write the results as JSON.")] = None,
              debug: Debug = False) -> None:
     """Validation and test loss and perplexity of a checkpoint: `bridge eval recipe=tiny checkpoint.load=DIR`."""
-    recipe, container = load_config(overrides, recipes_dir, world_size)
+    recipe, container = load_config(overrides, recipes_dir, world_size, runs_model=not dry_run)
     if dry_run:
         if is_rank_zero():
             print_dry_run(recipe, container)

@@ -23,7 +23,7 @@ def validate(
     """Compose and validate quietly: exit 0 when valid, 2 with the reason when not."""
     from bridge_cli.cli.app import load_config
 
-    load_config(overrides, recipes_dir, world_size)
+    load_config(overrides, recipes_dir, world_size, runs_model=False)
 
 
 @app.command()
@@ -31,9 +31,9 @@ def docs(section: Annotated[Optional[str], typer.Argument(help="e.g. train, mode
     """Each field of a section (or every section) with its default and one-line description."""
     import dataclasses
 
-    from bridge_cli.logging.quiet import quiet_known_noise
+    from bridge_cli.runtime.mcore_import import import_megatron_core
 
-    quiet_known_noise()
+    import_megatron_core(runs_model=False)
 
     from bridge_cli.config.mcore_schema import field_docs, schema_fields
     from bridge_cli.config.schema import DATASETS, PEFT, SECTIONS, mcore_sections

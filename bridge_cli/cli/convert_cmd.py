@@ -30,9 +30,9 @@ def import_hf(
     debug: Debug = False,
 ) -> None:
     """Convert a Llama / Mistral / Qwen2 model into a torch_dist checkpoint that bridge trains from."""
-    from bridge_cli.logging.quiet import quiet_known_noise
+    from bridge_cli.runtime.mcore_import import import_megatron_core
 
-    quiet_known_noise()
+    import_megatron_core()
     from bridge_cli.convert.hf_import import import_hf as run_import
 
     done = run_import(hf_dir, out_dir, recipe, tp, pp, seq_length, recipes_dir)
@@ -52,9 +52,9 @@ def export_hf(
     debug: Debug = False,
 ) -> None:
     """Convert a bridge / Megatron torch_dist checkpoint into a folder transformers loads."""
-    from bridge_cli.logging.quiet import quiet_known_noise
+    from bridge_cli.runtime.mcore_import import import_megatron_core
 
-    quiet_known_noise()
+    import_megatron_core()
     from bridge_cli.convert.hf_export import export_hf as run_export
 
     done = run_export(ckpt_dir, out_dir, ckpt_step, max_shard_size)

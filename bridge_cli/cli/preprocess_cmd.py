@@ -51,9 +51,9 @@ def preprocess_data(
     """Tokenize JSONL or text files into a megatron-core indexed dataset (.bin/.idx) for dataset=gpt."""
     from bridge_cli.config.data_configs import TokenizerConfig
     from bridge_cli.data.preprocess import preprocess_data as run
-    from bridge_cli.logging.quiet import quiet_known_noise
+    from bridge_cli.runtime.mcore_import import import_megatron_core
 
-    quiet_known_noise()
+    import_megatron_core(runs_model=False)
     tokenizer = TokenizerConfig(tokenizer_type=tokenizer_type.value, tokenizer_model=tokenizer_model,
                                 trust_remote_code=trust_remote_code)
     with ProgressReport() as progress:

@@ -1,0 +1,29 @@
+"""Commands that run no model import megatron-core without dynamo/inductor; its fused kernels still compile."""
+
+import subprocess
+import sys
+
+CHECK = """
+import sys
+from bridge_cli.runtime.mcore_import import import_megatron_core
+import_megatron_core(runs_model=False)
+from bridge_cli.cli.app import load_config
+load_config(["recipe=gpt2_124m"], None, runs_model=False)
+import megatron.core.models.gpt, megatron.core.optimizer
+print("dynamo at import:", "torch._dynamo" in sys.modules)
+
+import torch
+from megatron.core.fusions.fused_bias_gelu import bias_gelu
+bias, y = torch.randn(8), torch.randn(4, 8)
+x = bias + y
+eager = x * 0.5 * (1.0 + torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x)))
+torch.testing.assert_close(bias_gelu(bias, y), eager)
+print("dynamo after the first call:", "torch._dynamo" in sys.modules)
+"""
+
+
+def test_fused_kernels_compile_at_first_call_not_at_import():
+    out = subprocess.run([sys.executable, "-c", CHECK], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "dynamo at import: False" in out.stdout
+    assert "dynamo after the first call: True" in out.stdout
