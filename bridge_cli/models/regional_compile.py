@@ -17,7 +17,7 @@ def compile_layers(chunks: list) -> None:
     """Compile every ``TransformerLayer`` of ``chunks`` (before the DDP wrap)."""
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
-    # megatron-core 0.16's RowParallelLinear warns that its tp_group is unset on every call; traced,
+    # megatron-core's RowParallelLinear warns that its tp_group is unset on every call (rank 0); traced,
     # that warning splits each layer into several graphs. Inside compiled code, warnings are dropped.
     torch._dynamo.config.ignore_logging_functions.add(warnings.warn)
     for chunk in chunks:
