@@ -56,7 +56,7 @@ class GPTModelProvider(TransformerConfig):
     """Attention kernel of the torch spec: auto (torch picks per call) or only flash, cudnn, efficient or math."""
 
     compile_layers: bool = False
-    """torch.compile each transformer layer in place; the layers share one compiled graph (regional compilation)."""
+    """torch.compile each transformer layer in place (all share one graph) and the language-model loss."""
 
     @property
     def padded_vocab_size(self) -> int:

@@ -1,9 +1,13 @@
-"""Regional compilation: ``torch.compile`` each transformer layer of a built GPTModel, in place.
+"""Regional compilation: ``torch.compile`` each transformer layer of a built GPTModel, and its loss.
 
 The layers run the same code on same-shaped inputs, and torch inlines modules with their
 parameters as graph inputs, so they share one compiled graph: the first layer compiles and the
 others hit its cache. Compiling in place (``Module.compile``) keeps the state-dict keys as they
 are (no ``_orig_mod.`` prefix), so checkpoints do not depend on the setting.
+
+The last stage's language-model loss (the cross entropy over the vocabulary, with its
+tensor-parallel all-reduces) is a second graph: its passes over the fp32 logits fuse, which is
+most of the gain for a small model with a large vocabulary (gpt2_124m: 30.2% -> 37.1% MFU).
 """
 
 from __future__ import annotations
@@ -14,7 +18,8 @@ import torch
 
 
 def compile_layers(chunks: list) -> None:
-    """Compile every ``TransformerLayer`` of ``chunks`` (before the DDP wrap)."""
+    """Compile every ``TransformerLayer`` of ``chunks`` and the loss of the last stage (before the DDP wrap)."""
+    from megatron.core.models.common.language_module.language_module import LanguageModule
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
     # megatron-core's RowParallelLinear warns that its tp_group is unset on every call (rank 0); traced,
@@ -24,3 +29,6 @@ def compile_layers(chunks: list) -> None:
         for module in chunk.modules():
             if isinstance(module, TransformerLayer):
                 module.compile(dynamic=False)
+            elif isinstance(module, LanguageModule) and module.post_process:
+                # the cross entropy over the vocabulary: its fp32 passes over the logits fuse
+                module.compute_language_model_loss = torch.compile(module.compute_language_model_loss, dynamic=False)

@@ -5,21 +5,21 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import bridge
+from tests.conftest import bridge, torchrun
 from tests.integration.test_pretrain_cpu import losses
 
 RUN = ["recipe=tiny", "train.train_iters=6", "logger.log_interval=1", "train.eval_iters=0"]
 
 
-def test_compiled_layers_share_one_graph_train_like_eager_and_save_the_same_checkpoint(tmp_path):
+def test_compiled_layers_and_loss_train_like_eager_and_save_the_same_checkpoint(tmp_path):
     eager = bridge("pretrain", *RUN)
     compiled = bridge("pretrain", *RUN, "model.compile_layers=true", f"checkpoint.save={tmp_path}",
                       "checkpoint.save_interval=3", env={"TORCH_LOGS": "dynamo,graph_breaks,recompiles"})
     assert eager.returncode == 0 and compiled.returncode == 0, compiled.stderr[-3000:]
     assert len(losses(eager.stdout)) == 6
     assert losses(compiled.stdout) == pytest.approx(losses(eager.stdout), rel=1e-3)
-    # the whole layer is one graph, compiled once: the second layer reuses the first one's
-    assert compiled.stderr.count("done compiler function inductor") == 1, compiled.stderr[-3000:]
+    # two graphs, each compiled once: the whole layer (the second layer reuses the first one's) and the loss
+    assert compiled.stderr.count("done compiler function inductor") == 2, compiled.stderr[-3000:]
     assert "Graph break" not in compiled.stderr and "Recompiling" not in compiled.stderr, compiled.stderr[-3000:]
     # an eager run resumes from the compiled run's checkpoint: its keys carry no `_orig_mod.`
     resumed = bridge("pretrain", *RUN, f"checkpoint.load={tmp_path}", "checkpoint.ckpt_step=3")
@@ -35,3 +35,12 @@ def test_a_backend_the_cpu_lacks_is_refused_in_one_paragraph():
     assert result.stderr.startswith("error: model.sdpa_backend=efficient cannot run this model's attention on cpu")
     assert "Traceback" not in result.stderr and result.stderr.count("\n") <= 2, result.stderr
     assert "model.sdpa_backend=auto" in result.stderr
+
+
+def test_compiled_layers_and_loss_under_tensor_parallelism_match_one_process():
+    # the compiled loss holds the vocab-parallel cross entropy's all-reduces
+    eager = bridge("pretrain", *RUN)
+    compiled = torchrun(2, "pretrain", *RUN, "model.tensor_model_parallel_size=2",
+                        "model.compile_layers=true")
+    assert compiled.returncode == 0, compiled.stderr[-3000:]
+    assert losses(compiled.stdout) == pytest.approx(losses(eager.stdout), rel=1e-3)
