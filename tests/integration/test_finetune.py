@@ -75,6 +75,15 @@ def test_lora_trains_adapters_only_and_resumes_from_its_adapter_checkpoint(base,
         assert all(".adapter." in k for k in keys if k.startswith("optimizer."))
 
 
+def test_lora_with_compiled_layers_trains_like_eager(base, data, lora_run):
+    # torch.compile traces the adapters inside each layer; packed SFT rows keep one shape
+    result = bridge("finetune", *SFT, "peft=lora", f"dataset.dataset_root={data}", "train.train_iters=8",
+                    "train.exit_interval=4", "logger.log_interval=1", "train.eval_iters=0",
+                    f"checkpoint.pretrained_checkpoint={base}", "model.compile_layers=true")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert losses(result.stdout) == pytest.approx(losses(lora_run[1]), rel=1e-3)
+
+
 def test_lora_under_tensor_parallelism_reproduces_the_single_process_curve(base, data, lora_run):
     """Adapters split like their layers; the embedding is padded to 384 rows under both layouts."""
     result = torchrun(2, "finetune", *SFT, "peft=lora", f"dataset.dataset_root={data}", "train.train_iters=8",

@@ -37,6 +37,14 @@ def test_a_backend_the_cpu_lacks_is_refused_in_one_paragraph():
     assert "model.sdpa_backend=auto" in result.stderr
 
 
+def test_compiled_layers_with_full_activation_recompute_match_eager():
+    eager = bridge("pretrain", *RUN)
+    compiled = bridge("pretrain", *RUN, "model.compile_layers=true", "model.recompute_granularity=full",
+                      "model.recompute_method=uniform", "model.recompute_num_layers=1")
+    assert compiled.returncode == 0, compiled.stderr[-3000:]
+    assert losses(compiled.stdout) == pytest.approx(losses(eager.stdout), rel=1e-3)
+
+
 def test_compiled_layers_and_loss_under_tensor_parallelism_match_one_process():
     # the compiled loss holds the vocab-parallel cross entropy's all-reduces
     eager = bridge("pretrain", *RUN)
