@@ -298,10 +298,9 @@ def _load_optimizer(optimizer, saved, state) -> None:
                     value = torch.full_like(step, float(group["step"])) if "step" in group else step.clone()
                     inner.state[param]["step"] = value
     # torch takes fused/foreach from the checkpoint's param groups: this run's choice wins
-    if state.runtime.is_cuda and state.cfg.optimizer.use_torch_fused_adam:
-        from bridge_cli.runtime.optimizer import use_fused_adam
+    from bridge_cli.runtime.optimizer import apply_adam_kernel_choice
 
-        use_fused_adam(optimizer)
+    apply_adam_kernel_choice(optimizer, state.cfg.optimizer, state.runtime.is_cuda)
 
 
 def _load_scheduler(path: Path, scheduler, saved: dict) -> None:

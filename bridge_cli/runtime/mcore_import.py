@@ -17,8 +17,9 @@ import sys
 
 
 def import_megatron_core(runs_model: bool = True) -> None:
-    """Import megatron-core once and silence its known noise; without ``runs_model``, with its fused
-    kernels compiled at their first call (if ever)."""
+    """Silence megatron-core's known noise. Without ``runs_model``, also import megatron-core now
+    (once), its fused kernels compiled at their first call if ever; with it, the command's own
+    imports load megatron-core as they reach it."""
     from bridge_cli.logging.quiet import quiet_known_noise
 
     quiet_known_noise()

@@ -32,9 +32,7 @@ def build_optimizer(
 
     if runtime.is_cuda:
         optimizer = get_megatron_optimizer(optimizer_config, model_chunks)
-        # a megatron-core OptimizerConfig (Python callers) lacks the field: the same default
-        if getattr(optimizer_config, "use_torch_fused_adam", True):
-            use_fused_adam(optimizer)
+        apply_adam_kernel_choice(optimizer, optimizer_config, runtime.is_cuda)
         return optimizer
 
     from bridge_cli.runtime.cpu_optimizer import CPUChainedOptimizer, CPUFP32Optimizer
@@ -50,6 +48,17 @@ def build_optimizer(
             "megatron-core is not supported on the CPU. Train on a GPU machine."
         )
     return optimizer
+
+
+def apply_adam_kernel_choice(optimizer: MegatronOptimizer, optimizer_config: OptimizerConfig, is_cuda: bool) -> None:
+    """:func:`use_fused_adam` where this run asks for it: on CUDA, with ``optimizer.use_torch_fused_adam``.
+
+    After building the optimizer, and again after loading its state, whose param groups bring
+    the checkpoint's fused/foreach flags back.
+    """
+    # a megatron-core OptimizerConfig (Python callers) lacks the field: the same default
+    if is_cuda and getattr(optimizer_config, "use_torch_fused_adam", True):
+        use_fused_adam(optimizer)
 
 
 def use_fused_adam(optimizer: MegatronOptimizer) -> None:
