@@ -187,7 +187,7 @@ def _load(state, model: list, optimizer, scheduler, path: Path, weights_only: bo
                               "(its common state has no checkpoint_version or iteration).")
     template = state_dict.model_sharded_state_dict(model, state_dict.content_metadata(state.cfg), select)
     saved = verify.saved_config(path)
-    verify.check_model_matches(path, template, stored, state.cfg.model, saved)
+    verify.check_model_matches(path, template, stored, state.cfg.derived.model, saved)
     load_optim = not weights_only and optimizer is not None and _optimizer_state_fits(path, state.cfg, stored, saved)
     load_rng = not weights_only and _rng_states_fit(path, ckpt, stored)
     if load_optim:

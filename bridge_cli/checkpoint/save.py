@@ -63,7 +63,7 @@ def save_checkpoint(state, model: list, optimizer, scheduler, checkpointing_cont
         content_metadata=state_dict.content_metadata(cfg),
         **_async_strategy(ckpt.async_save),
     )
-    finish = partial(_publish, root, iteration, cfg.to_dict(), ckpt.most_recent_k if not non_persistent else 1)
+    finish = partial(_publish, root, iteration, cfg.run_record(), ckpt.most_recent_k if not non_persistent else 1)
     if request is None:
         finish()
     else:

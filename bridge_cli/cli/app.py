@@ -7,7 +7,6 @@ them, so `bridge --help` and `bridge recipes list` answer at once.
 from __future__ import annotations
 
 import gc
-import os
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
@@ -16,6 +15,8 @@ import typer
 
 from bridge_cli.cli import config_cmd, peft_cmd, recipes_cmd
 from bridge_cli.cli import preprocess_cmd
+from bridge_cli.cli.config_loading import (DeviceOption, Overrides, RecipesDir, WorldSize, is_rank_zero, load_config,
+                                           print_dry_run)
 from bridge_cli.cli.convert_cmd import app as convert_app
 from bridge_cli.cli.errors import handles_user_errors
 
@@ -32,15 +33,7 @@ app.add_typer(config_cmd.app, name="config")
 app.add_typer(peft_cmd.app, name="peft")
 app.command("preprocess-data")(preprocess_cmd.preprocess_data)
 
-DEFAULT_RECIPE = "tiny"
-
-Overrides = Annotated[Optional[list[str]], typer.Argument(
-    help="recipe=NAME|PATH, then Hydra overrides: key=value, group=option, +key=value.", show_default=False)]
-RecipesDir = Annotated[Optional[list[Path]], typer.Option(
-    "--recipes-dir", help="Extra folder of recipe YAML files (repeatable; also $BRIDGE_RECIPES_DIR).")]
 DryRun = Annotated[bool, typer.Option("--dry-run", help="Print the resolved config and derived values, then stop.")]
-WorldSize = Annotated[Optional[int], typer.Option(
-    "--world-size", help="Process count to validate for (default: $WORLD_SIZE or 1).")]
 Debug = Annotated[bool, typer.Option("--debug", help="Show tracebacks and every rank's output.")]
 
 
@@ -54,63 +47,32 @@ Resume = Annotated[ResumeMode, typer.Option(
                      "checkpoint in checkpoint.save if there is one. never: only checkpoint.load is loaded.")]
 
 
-def is_rank_zero() -> bool:
-    return os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"
-
-
-def load_config(overrides: list[str] | None, recipes_dir: list[Path] | None, world_size: int | None = None,
-                runs_model: bool = True):
-    """Compose, convert and validate one run's config; the recipe defaults to the tiny one."""
-    from bridge_cli.runtime.mcore_import import import_megatron_core
-
-    import_megatron_core(runs_model)
-    from bridge_cli.config.compose import compose
-    from bridge_cli.training.config import ConfigContainer
-
-    recipe, rest = DEFAULT_RECIPE, []
-    for item in overrides or []:
-        if item.startswith("recipe="):
-            recipe = item.split("=", 1)[1]
-        else:
-            rest.append(item)
-    container = ConfigContainer.from_yaml_dict(compose(recipe, rest, recipes_dir))
-    container.validate(world_size)
-    return recipe, container
-
-
-def print_dry_run(recipe: str, container) -> None:
-    from omegaconf import OmegaConf
-
-    from bridge_cli.config.compose import PRECEDENCE
-
-    print(OmegaConf.to_yaml(container.to_dict()), end="")
-    print(f"# recipe: {recipe}\n# precedence: {PRECEDENCE}")
-    print(OmegaConf.to_yaml({"derived": container.derived()}), end="")
-
-
 @app.command()
 @handles_user_errors
 def pretrain(overrides: Overrides = None, recipes_dir: RecipesDir = None, dry_run: DryRun = False,
-             world_size: WorldSize = None, resume: Resume = ResumeMode.auto, debug: Debug = False) -> None:
+             world_size: WorldSize = None, device: DeviceOption = None, resume: Resume = ResumeMode.auto,
+             debug: Debug = False) -> None:
     """Pretrain a model: `bridge pretrain recipe=tiny train.train_iters=50`."""
-    _train("pretrain", overrides, recipes_dir, dry_run, world_size, resume)
+    _train("pretrain", overrides, recipes_dir, dry_run, world_size, device, resume)
 
 
 @app.command()
 @handles_user_errors
 def finetune(overrides: Overrides = None, recipes_dir: RecipesDir = None, dry_run: DryRun = False,
-             world_size: WorldSize = None, resume: Resume = ResumeMode.auto, debug: Debug = False) -> None:
+             world_size: WorldSize = None, device: DeviceOption = None, resume: Resume = ResumeMode.auto,
+             debug: Debug = False) -> None:
     """Fine-tune from a pretrained checkpoint: `bridge finetune recipe=tiny checkpoint.pretrained_checkpoint=DIR
     dataset=finetune dataset.dataset_root=DATA` (add peft=lora for LoRA)."""
-    _train("finetune", overrides, recipes_dir, dry_run, world_size, resume)
+    _train("finetune", overrides, recipes_dir, dry_run, world_size, device, resume)
 
 
-def _train(entry: str, overrides, recipes_dir, dry_run: bool, world_size, resume: ResumeMode) -> None:
+def _train(entry: str, overrides, recipes_dir, dry_run: bool, world_size, device, resume: ResumeMode) -> None:
     """pretrain and finetune: compose and validate, stop at --dry-run, apply --resume, then call
     bridge_cli.training's entry point of that name with the GPT forward step."""
     import importlib
 
-    recipe, container = load_config(overrides, recipes_dir, world_size, runs_model=not dry_run)
+    _check_device_is_for_dry_run(dry_run, device)
+    recipe, container = load_config(overrides, recipes_dir, world_size, runs_model=not dry_run, device=device)
     if dry_run:
         if is_rank_zero():
             print_dry_run(recipe, container)
@@ -128,11 +90,12 @@ def _train(entry: str, overrides, recipes_dir, dry_run: bool, world_size, resume
 @app.command("eval")
 @handles_user_errors
 def evaluate(overrides: Overrides = None, recipes_dir: RecipesDir = None, dry_run: DryRun = False,
-             world_size: WorldSize = None,
+             world_size: WorldSize = None, device: DeviceOption = None,
              output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Also write the results as JSON.")] = None,
              debug: Debug = False) -> None:
     """Validation and test loss and perplexity of a checkpoint: `bridge eval recipe=tiny checkpoint.load=DIR`."""
-    recipe, container = load_config(overrides, recipes_dir, world_size, runs_model=not dry_run)
+    _check_device_is_for_dry_run(dry_run, device)
+    recipe, container = load_config(overrides, recipes_dir, world_size, runs_model=not dry_run, device=device)
     if dry_run:
         if is_rank_zero():
             print_dry_run(recipe, container)
@@ -144,6 +107,14 @@ def evaluate(overrides: Overrides = None, recipes_dir: RecipesDir = None, dry_ru
     report = evaluate_checkpoint(container, forward_step)
     if report is not None:
         print_report(report, output)
+
+
+def _check_device_is_for_dry_run(dry_run: bool, device) -> None:
+    if device is not None and not dry_run:
+        from bridge_cli.config.errors import ConfigError
+
+        raise ConfigError("--device", "only applies with --dry-run: a run uses the device it finds.",
+                          "Add --dry-run, or drop --device.")
 
 
 app.add_typer(convert_app, name="convert-ckpt")

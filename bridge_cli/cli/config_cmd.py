@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
+from bridge_cli.cli.config_loading import DeviceOption, Overrides, RecipesDir, WorldSize, load_config
 from bridge_cli.cli.errors import handles_user_errors
 
 app = typer.Typer(help="Validate configs and read field documentation.", no_args_is_help=True)
@@ -14,16 +14,10 @@ app = typer.Typer(help="Validate configs and read field documentation.", no_args
 
 @app.command()
 @handles_user_errors
-def validate(
-    overrides: Annotated[Optional[list[str]], typer.Argument(help="recipe=NAME|PATH and overrides.")] = None,
-    recipes_dir: Annotated[Optional[list[Path]], typer.Option("--recipes-dir")] = None,
-    world_size: Annotated[Optional[int], typer.Option("--world-size")] = None,
-    debug: bool = False,
-) -> None:
-    """Compose and validate quietly: exit 0 when valid, 2 with the reason when not."""
-    from bridge_cli.cli.app import load_config
-
-    load_config(overrides, recipes_dir, world_size, runs_model=False)
+def validate(overrides: Overrides = None, recipes_dir: RecipesDir = None, world_size: WorldSize = None,
+             device: DeviceOption = None, debug: bool = False) -> None:
+    """Compose and validate quietly, as a run would: exit 0 when valid, 2 with the reason when not."""
+    load_config(overrides, recipes_dir, world_size, runs_model=False, device=device)
 
 
 @app.command()

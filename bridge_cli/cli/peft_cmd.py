@@ -25,7 +25,7 @@ def merge(
     debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks.")] = False,
 ) -> None:
     """Fold adapters into their base model: `bridge peft merge ADAPTERS OUT recipe=NAME`, W + (alpha/dim) B A."""
-    from bridge_cli.cli.app import load_config
+    from bridge_cli.cli.config_loading import load_config
     from bridge_cli.peft.merge import merge_adapters
 
     _, container = load_config(overrides, recipes_dir)

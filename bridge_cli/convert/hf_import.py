@@ -119,7 +119,7 @@ def _load_recipe(recipe: Path, fields: dict, world_size: int):
 
     cfg = ConfigContainer.from_yaml_dict(compose(str(recipe), []))
     cfg.validate(world_size)
-    model = cfg.to_dict()["model"]
+    model = cfg.run_record()["model"]
     for key, value in fields.items():
         if model[key] != value:
             raise ConfigError(f"model.{key}", f"the recipe makes it {model[key]}; config.json says {value}.",
@@ -136,7 +136,7 @@ def _convert(weights: SafetensorsFolder, arch, cfg, staging: Path) -> tuple[int,
     from bridge_cli.convert.progress import per_tensor
 
     mcore_io.init_process()
-    model = mcore_io.build_model(mcore_io.model_config(cfg.to_dict()["model"]))
+    model = mcore_io.build_model(mcore_io.model_config(cfg.run_record()["model"]))
     params = dict(model.named_parameters())
     todo = pairs(arch)
     differ = set(params) ^ {pair.mcore for pair in todo}

@@ -98,7 +98,7 @@ def save_weights(model, cfg, root: Path) -> Path:
     }
     folder = layout.start(root, 0)
     dist_checkpointing.save(sharded, str(folder), content_metadata=metadata)
-    (folder / RUN_CONFIG).write_text(OmegaConf.to_yaml(cfg.to_dict()))
+    (folder / RUN_CONFIG).write_text(OmegaConf.to_yaml(cfg.run_record()))
     return layout.publish(root, 0)
 
 

@@ -81,7 +81,7 @@ def build_datasets(cfg, tokenizer, sizes: Optional[list[int]] = None) -> list:
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, MockGPTDataset
 
-    sizes = sizes or dataset_sizes(cfg.train.train_iters, cfg.train.global_batch_size, cfg.train.eval_interval,
+    sizes = sizes or dataset_sizes(cfg.train.train_iters, cfg.derived.global_batch_size, cfg.train.eval_interval,
                                    cfg.train.eval_iters)
     if isinstance(cfg.dataset, FinetuningDatasetConfig):
         from bridge_cli.data.sft import build_sft_datasets

@@ -45,9 +45,9 @@ def evaluate_checkpoint(config: ConfigContainer, forward_step_func: ForwardStepC
         runtime = initialize(state)
         model = build_model(config, runtime)
         load_checkpoint(state, model, None, None, weights_only=True)
-        batches = config.train.eval_iters * config.train.global_batch_size
+        batches = config.train.eval_iters * config.derived.global_batch_size
         _, valid, test = build_data_iterators(config, state, len(model), sizes=[0, batches, batches])
-        report = EvalReport(str(found.path), found.iteration, config.train.eval_iters, config.train.global_batch_size,
+        report = EvalReport(str(found.path), found.iteration, config.train.eval_iters, config.derived.global_batch_size,
                             config.model.seq_length)
         if valid is None and test is None:
             raise ConfigError("dataset", "has no validation or test split to evaluate on.",

@@ -7,7 +7,6 @@ import sys
 import time
 from typing import Iterator
 
-from bridge_cli.config.errors import ConfigError
 from bridge_cli.training.config import ConfigContainer
 from bridge_cli.training.forward_step_func_types import ForwardStepCallable
 from bridge_cli.training.state import GlobalState
@@ -23,7 +22,7 @@ def _describe(state: GlobalState, model: list) -> str:
     return (f"bridge: {rt.device.type} ({rt.backend}), world {rt.world_size} = TP {m.tensor_model_parallel_size} x "
             f"PP {m.pipeline_model_parallel_size} x CP {m.context_parallel_size} x DP {cfg.data_parallel_size}; "
             f"GPTModel {m.num_layers} layers, {params / 1e6:.2f}M parameters on rank {rt.rank} ({spec} spec); "
-            f"{cfg.train.train_iters} iterations x {cfg.train.global_batch_size} samples x {m.seq_length} tokens "
+            f"{cfg.train.train_iters} iterations x {cfg.derived.global_batch_size} samples x {m.seq_length} tokens "
             f"({cfg.num_microbatches} micro-batches of {cfg.train.micro_batch_size})\n"
             + "\n".join(_layout(cfg, rt.world_size)))
 
@@ -52,9 +51,6 @@ def run_session(config: ConfigContainer) -> Iterator[GlobalState]:
 
     config.validate()
     state = GlobalState(cfg=config)
-    if config.rerun_state_machine.rerun_mode != "disabled":
-        raise ConfigError("rerun_state_machine.rerun_mode", "only 'disabled' is supported by this version of bridge.",
-                          "NaN/Inf losses are still detected and reported with their iteration.")
     initialize_rerun_state_machine(mode=RerunMode.DISABLED)
     try:
         yield state

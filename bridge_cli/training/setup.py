@@ -11,7 +11,6 @@ import numpy as np
 import torch
 
 from bridge_cli.logging.startup import StartupClock
-from bridge_cli.runtime.errors import RuntimeUnavailable
 from bridge_cli.training.config import ConfigContainer
 from bridge_cli.training.state import GlobalState
 
@@ -26,31 +25,6 @@ class SetupOutput:
     test_data_iterator: Any
     checkpointing_context: dict
     startup: StartupClock
-
-
-def check_device_support(cfg: ConfigContainer, is_cuda: bool) -> None:
-    """Refuse, before any work and all at once, the settings only the GPU path can honour."""
-    if is_cuda:
-        return
-    found, fixes = [], []
-    for flag in ("bf16", "fp16"):
-        if getattr(cfg.model, flag):
-            found.append(f"model.{flag}=true")
-            preset = cfg.mixed_precision not in (None, "fp32")
-            fixes.append("mixed_precision=fp32" if preset else f"model.{flag}=false")
-    if cfg.optimizer.use_distributed_optimizer:
-        found.append("optimizer.use_distributed_optimizer=true")
-        fixes.append("optimizer.use_distributed_optimizer=false")
-    if cfg.checkpoint.async_save:
-        found.append("checkpoint.async_save=true")
-        fixes.append("checkpoint.async_save=false")
-    if cfg.logger.log_energy:
-        found.append("logger.log_energy=true")
-        fixes.append("logger.log_energy=false")
-    if found:
-        raise RuntimeUnavailable(
-            f"{', '.join(found)} need{'s' if len(found) == 1 else ''} CUDA and no GPU is visible. "
-            f"To train on the CPU (fp32, plain optimizer), add: {' '.join(dict.fromkeys(fixes))}")
 
 
 def set_seeds(seed: int, runtime) -> None:
@@ -72,10 +46,7 @@ def build_model(cfg: ConfigContainer, runtime) -> list:
     from megatron.core import parallel_state
     from megatron.core.transformer.module import Float16Module
 
-    if not runtime.is_cuda:
-        # megatron-core's GPU init path forks the CUDA RNG tracker; its CPU path builds each full
-        # weight from torch's seed and slices it, so any TP size gets the same model.
-        cfg.model.use_cpu_initialization = True
+    model_config = cfg.derived.model
     vpp = cfg.model.virtual_pipeline_model_parallel_size
     chunks = []
     for vp_stage in range(vpp or 1):
@@ -84,10 +55,10 @@ def build_model(cfg: ConfigContainer, runtime) -> list:
             parallel_state.is_pipeline_first_stage()
         post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage) if vpp else \
             parallel_state.is_pipeline_last_stage()
-        model = cfg.model.provide(pre_process=pre, post_process=post, vp_stage=stage).to(runtime.device)
-        if cfg.model.fp16 or cfg.model.bf16:
+        model = model_config.provide(pre_process=pre, post_process=post, vp_stage=stage).to(runtime.device)
+        if model_config.fp16 or model_config.bf16:
             # As Megatron-LM: half-precision weights, fp32 at the loss boundary.
-            model = Float16Module(cfg.model, model)
+            model = Float16Module(model_config, model)
         chunks.append(model)
     if cfg.peft is not None:
         from bridge_cli.peft.lora import apply_lora
@@ -106,22 +77,22 @@ def build_model(cfg: ConfigContainer, runtime) -> list:
 def build_scheduler(cfg: ConfigContainer, optimizer):
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    s, opt = cfg.scheduler, cfg.optimizer
+    s, opt, steps = cfg.scheduler, cfg.optimizer, cfg.derived
     return OptimizerParamScheduler(
         optimizer,
         init_lr=s.lr_warmup_init,
         max_lr=opt.lr,
         min_lr=opt.min_lr or 0.0,
-        lr_warmup_steps=s.lr_warmup_steps,
-        lr_decay_steps=s.lr_decay_steps,
+        lr_warmup_steps=steps.lr_warmup_steps,
+        lr_decay_steps=steps.lr_decay_steps,
         lr_decay_style=s.lr_decay_style,
         start_wd=s.start_weight_decay if s.start_weight_decay is not None else opt.weight_decay,
         end_wd=s.end_weight_decay if s.end_weight_decay is not None else opt.weight_decay,
-        wd_incr_steps=s.wd_incr_steps,
+        wd_incr_steps=steps.wd_incr_steps,
         wd_incr_style=s.weight_decay_incr_style,
         use_checkpoint_opt_param_scheduler=s.use_checkpoint_opt_param_scheduler,
         override_opt_param_scheduler=s.override_opt_param_scheduler,
-        wsd_decay_steps=s.wsd_decay_steps,
+        wsd_decay_steps=steps.wsd_decay_steps,
         lr_wsd_decay_style=s.lr_wsd_decay_style,
     )
 
@@ -137,7 +108,7 @@ def build_data_iterators(cfg: ConfigContainer, state: GlobalState, n_chunks: int
     from bridge_cli.data.builders import build_datasets, build_iterator
     from bridge_cli.data.tokenizers import build_tokenizer
 
-    tokenizer = build_tokenizer(cfg.tokenizer, cfg.model.vocab_size)
+    tokenizer = build_tokenizer(cfg.tokenizer, cfg.derived.vocab_size)
     train_ds, valid_ds, test_ds = build_datasets(cfg, tokenizer, sizes)
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
@@ -160,7 +131,6 @@ def initialize(state: GlobalState):
     from bridge_cli.runtime.distributed import init_distributed
 
     cfg = state.cfg
-    check_device_support(cfg, torch.cuda.is_available())
     if torch.cuda.is_available():
         # Before the CUDA context exists: keeps tensor-parallel communication ordered ahead of the
         # compute it overlaps with, as Megatron-LM requires.
@@ -176,17 +146,16 @@ def initialize(state: GlobalState):
         virtual_pipeline_model_parallel_size=m.virtual_pipeline_model_parallel_size,
     )
     state.runtime = runtime
-    cfg.validate(runtime.world_size)
+    derived = cfg.validate(runtime.world_size, runtime.device.type)
     set_seeds(cfg.rng.seed, runtime)
     # megatron-core's schedules, grad finalization and optimizer time themselves through these.
-    state.timers = cfg.model.timers = cfg.optimizer.timers = build_timers(cfg.logger)
-    init_num_microbatches_calculator(runtime.rank, cfg.train.rampup_batch_size, cfg.train.global_batch_size,
-                                     cfg.train.micro_batch_size, cfg.data_parallel_size,
+    state.timers = derived.model.timers = cfg.optimizer.timers = build_timers(cfg.logger)
+    init_num_microbatches_calculator(runtime.rank, cfg.train.rampup_batch_size, derived.global_batch_size,
+                                     cfg.train.micro_batch_size, derived.data_parallel_size,
                                      cfg.train.decrease_batch_size_if_needed)
     if runtime.rank == runtime.world_size - 1:  # the rank that prints the log
-        padded = m.padded_vocab_size  # Megatron-LM's line, so logs of the two tools compare
-        print(f" > padded vocab (size: {m.vocab_size}) with {padded - m.vocab_size} dummy tokens "
-              f"(new size: {padded})", flush=True)
+        vocab, padded = derived.vocab_size, derived.padded_vocab_size  # Megatron-LM's line, so logs compare
+        print(f" > padded vocab (size: {vocab}) with {padded - vocab} dummy tokens (new size: {padded})", flush=True)
     return runtime
 
 

@@ -292,7 +292,7 @@ def train(forward_step_func: ForwardStepCallable, model: list, optimizer, schedu
             ts.step += 1
             ts.consumed_train_samples += batch_size
             ts.skipped_train_samples += skipped * batch_size
-            flops = num_floating_point_operations(cfg.model, batch_size)
+            flops = num_floating_point_operations(cfg.derived.model, batch_size)
             ts.floating_point_operations_so_far += flops
             if not grad_norm_is_finite(grad_norm) and not cfg.model.fp16:
                 raise TrainingDiverged(

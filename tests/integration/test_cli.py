@@ -59,7 +59,7 @@ def test_recipes_dir_adds_and_shadows_recipes(tmp_path):
 
 
 def test_dry_run_prints_resolved_config_precedence_and_derived_values():
-    result = bridge("pretrain", "recipe=llama8b", "train.train_iters=1000", "--dry-run")
+    result = bridge("pretrain", "recipe=llama8b", "train.train_iters=1000", "--dry-run", "--device", "cuda")
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert "train_iters: 1000" in out and "hidden_size: 4096" in out and "params_dtype: bfloat16" in out
@@ -69,7 +69,7 @@ def test_dry_run_prints_resolved_config_precedence_and_derived_values():
 
 
 def test_dry_run_for_a_given_world_size():
-    result = bridge("pretrain", "recipe=llama8b", "--dry-run", "--world-size", "16",
+    result = bridge("pretrain", "recipe=llama8b", "--dry-run", "--device", "cuda", "--world-size", "16",
                     "model.tensor_model_parallel_size=2", "model.pipeline_model_parallel_size=2")
     assert result.returncode == 0, result.stderr
     assert "data_parallel_size: 4" in result.stdout and "micro_batches_per_step: 128" in result.stdout
@@ -83,7 +83,7 @@ def test_dry_run_for_a_given_world_size():
           "model.virtual_pipeline_model_parallel_size=4"], 4),
 ])
 def test_llama8b_layouts_for_8_to_64_gpus_validate(cli, world, layout, dp):
-    result = cli("pretrain", "recipe=llama8b", "--dry-run", "--world-size", str(world), *layout)
+    result = cli("pretrain", "recipe=llama8b", "--dry-run", "--device", "cuda", "--world-size", str(world), *layout)
     assert result.exit_code == 0, result.output
     assert f"data_parallel_size: {dp}" in result.output and f"world_size: {world}" in result.output
 

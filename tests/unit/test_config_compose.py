@@ -11,7 +11,7 @@ from bridge_cli.training.config import ConfigContainer
 
 def container(recipe: str, *overrides: str, world_size: int = 1) -> ConfigContainer:
     c = ConfigContainer.from_yaml_dict(compose(recipe, list(overrides)))
-    c.validate(world_size)
+    c.validate(world_size, device="cuda")  # the config rules, checked as for a GPU machine (the recipes' target)
     return c
 
 
@@ -67,8 +67,8 @@ def test_derived_values_for_a_large_world():
                   "model.pipeline_model_parallel_size=2", world_size=64)
     assert c.data_parallel_size == 16
     assert c.num_microbatches == 512 // 16
-    assert c.scheduler.lr_decay_steps == c.scheduler.lr_decay_iters * 512
-    assert c.scheduler.lr_warmup_steps == 2000 * 512
+    assert c.derived.lr_decay_steps == c.scheduler.lr_decay_iters * 512
+    assert c.derived.lr_warmup_steps == 2000 * 512
 
 
 def test_to_dict_spells_dtypes_and_functions_by_name():

@@ -8,7 +8,7 @@ import sys
 from bridge_cli.runtime.mcore_import import import_megatron_core
 import_megatron_core(runs_model=False)
 from bridge_cli.cli.app import load_config
-load_config(["recipe=gpt2_124m"], None, runs_model=False)
+load_config(["recipe=gpt2_124m"], None, runs_model=False, device="cuda")
 import megatron.core.models.gpt, megatron.core.optimizer
 print("dynamo at import:", "torch._dynamo" in sys.modules)
 

@@ -1,0 +1,64 @@
+"""Composing one run's config from argv, shared by every command that takes a recipe."""
+
+from __future__ import annotations
+
+import os
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+DEFAULT_RECIPE = "tiny"
+
+Overrides = Annotated[Optional[list[str]], typer.Argument(
+    help="recipe=NAME|PATH, then Hydra overrides: key=value, group=option, +key=value.", show_default=False)]
+RecipesDir = Annotated[Optional[list[Path]], typer.Option(
+    "--recipes-dir", help="Extra folder of recipe YAML files (repeatable; also $BRIDGE_RECIPES_DIR).")]
+WorldSize = Annotated[Optional[int], typer.Option(
+    "--world-size", help="Process count to validate for (default: $WORLD_SIZE or 1).")]
+
+
+class Device(str, Enum):
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+DeviceOption = Annotated[Optional[Device], typer.Option(
+    "--device", help="Device to validate for (default: cuda where a GPU is visible, else cpu); "
+                     "checks a GPU run's config from a CPU machine.")]
+
+
+def is_rank_zero() -> bool:
+    return os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"
+
+
+def load_config(overrides: list[str] | None, recipes_dir: list[Path] | None, world_size: int | None = None,
+                runs_model: bool = True, device: Optional[Device | str] = None):
+    """Compose, convert and validate one run's config (the recipe defaults to the tiny one); returns
+    (recipe, ConfigContainer) with its derived values."""
+    from bridge_cli.runtime.mcore_import import import_megatron_core
+
+    import_megatron_core(runs_model)
+    from bridge_cli.config.compose import compose
+    from bridge_cli.training.config import ConfigContainer
+
+    recipe, rest = DEFAULT_RECIPE, []
+    for item in overrides or []:
+        if item.startswith("recipe="):
+            recipe = item.split("=", 1)[1]
+        else:
+            rest.append(item)
+    container = ConfigContainer.from_yaml_dict(compose(recipe, rest, recipes_dir))
+    container.validate(world_size, getattr(device, "value", device))
+    return recipe, container
+
+
+def print_dry_run(recipe: str, container) -> None:
+    from omegaconf import OmegaConf
+
+    from bridge_cli.config.compose import PRECEDENCE
+
+    print(OmegaConf.to_yaml(container.to_dict()), end="")
+    print(f"# recipe: {recipe}\n# precedence: {PRECEDENCE}")
+    print(OmegaConf.to_yaml({"derived": container.derived.as_dict()}), end="")

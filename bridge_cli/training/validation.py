@@ -1,0 +1,259 @@
+"""The one validate-and-derive pass: a pure function of (config, world size, device).
+
+It checks every rule a run would hit before its first step (sections, cross-field rules, the
+device table, model shapes megatron-core would only trip over while building the model) and
+returns the values a run derives from the config, frozen. The config itself is never written:
+what a tokenizer, the world size or the batch sizes imply lives in :class:`Derived`.
+``bridge config validate``, ``--dry-run`` and a real run all call it, so they refuse the same things.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from bridge_cli.config.errors import ConfigError
+from bridge_cli.config.fields import check_section
+from bridge_cli.config.data_configs import FinetuningDatasetConfig
+from bridge_cli.runtime.device_rules import check_device
+
+SCHEDULER_STEP_FIELDS = ("lr_warmup_steps", "lr_decay_steps", "wd_incr_steps", "wsd_decay_steps")
+"""SchedulerConfig fields the reference derives; here they are in Derived and refused when set."""
+
+
+@dataclass(frozen=True)
+class Derived:
+    """What one run derives from its config; computed once, never written back into the config."""
+
+    world_size: int
+    """Processes the run is checked for."""
+    device: str
+    """cpu or cuda."""
+    data_parallel_size: int
+    """world size / (TP x PP x CP)."""
+    num_microbatches: int
+    """global batch / (micro batch x data-parallel size)."""
+    global_batch_size: int
+    """train.global_batch_size, or micro batch x data-parallel size when that is unset."""
+    vocab_size: int
+    """The tokenizer's vocabulary (model.vocab_size for the null tokenizer)."""
+    padded_vocab_size: int
+    """Embedding rows: vocab_size padded to model.make_vocab_size_divisible_by x TP."""
+    lr_warmup_steps: int
+    """Scheduler warmup, in samples (megatron-core's scheduler counts samples)."""
+    lr_decay_steps: int
+    """Scheduler decay, in samples."""
+    wd_incr_steps: int
+    """Weight-decay ramp, in samples."""
+    wsd_decay_steps: Optional[int]
+    """WSD annealing phase, in samples (None unless lr_decay_style=WSD)."""
+    model: Any = dataclasses.field(compare=False, repr=False)
+    """The GPTModelProvider the run builds: the model section with the tokenizer's vocabulary and,
+    on the CPU, megatron-core's CPU initialization. megatron-core attaches its runtime hooks to it."""
+
+    def as_dict(self) -> dict[str, Any]:
+        """The values --dry-run prints and run_config.yaml records."""
+        return {
+            "world_size": self.world_size,
+            "device": self.device,
+            "data_parallel_size": self.data_parallel_size,
+            "micro_batches_per_step": self.num_microbatches,
+            "global_batch_size": self.global_batch_size,
+            "vocab_size": self.vocab_size,
+            "padded_vocab_size": self.padded_vocab_size,
+            "scheduler_steps": {name: getattr(self, name) for name in SCHEDULER_STEP_FIELDS},
+        }
+
+
+def validate_and_derive(cfg, world_size: int, device: str) -> Derived:
+    """Check ``cfg`` (a ConfigContainer) for ``world_size`` processes on ``device``; raise ConfigError
+    (or RuntimeUnavailable for what the device cannot run) naming the key, else return the derived values."""
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if f.init and f.name not in ("model", "optimizer", "ddp") and dataclasses.is_dataclass(value):
+            check_section(f.name, value)
+    _check_required(cfg)
+    _check_scheduler_fields_unset(cfg.scheduler)
+    _check_precision(cfg)
+    _check_rerun_mode(cfg)
+    check_device(cfg, device)
+    vocab_size = _vocab_size(cfg)
+    dp = data_parallel_size(cfg.model, world_size)
+    _check_model_shape(cfg.model)
+    global_batch, microbatches = _batches(cfg.train, dp)
+    _check_gradient_norm_logging(cfg, dp)
+    _check_sequence_length(cfg)
+    steps = _scheduler_steps(cfg.scheduler, global_batch, cfg.train.train_iters)
+    model = _run_model(cfg.model, vocab_size, device)
+    return Derived(world_size=world_size, device=device, data_parallel_size=dp, num_microbatches=microbatches,
+                   global_batch_size=global_batch, vocab_size=vocab_size, padded_vocab_size=model.padded_vocab_size,
+                   **steps, model=model)
+
+
+def data_parallel_size(model, world_size: int) -> int:
+    """world_size / (TP x PP x CP); raises ConfigError when the sizes do not divide it."""
+    model_parallel = model.tensor_model_parallel_size * model.pipeline_model_parallel_size * model.context_parallel_size
+    if world_size % model_parallel:
+        raise ConfigError(
+            "model.tensor_model_parallel_size",
+            f"TP ({model.tensor_model_parallel_size}) x PP ({model.pipeline_model_parallel_size}) x "
+            f"CP ({model.context_parallel_size}) = {model_parallel} does not divide the world size ({world_size}).",
+            "Change the parallel sizes or the number of processes.",
+        )
+    return world_size // model_parallel
+
+
+def _run_model(model, vocab_size: int, device: str):
+    """A copy of the model section as the run builds it (the user's section stays as given)."""
+    run = copy.copy(model)
+    run.vocab_size = vocab_size
+    if device == "cpu":
+        # megatron-core's GPU init path forks the CUDA RNG tracker; its CPU path builds each full
+        # weight from torch's seed and slices it, so any TP size gets the same model.
+        run.use_cpu_initialization = True
+    return run
+
+
+def _vocab_size(cfg) -> int:
+    """A tokenizer with its own vocabulary (all but the null one) sets the model's, as the tokenizer
+    alone does in Megatron-LM; the model pads it (Derived.padded_vocab_size)."""
+    tok, model = cfg.tokenizer, cfg.model
+    if tok.make_vocab_size_divisible_by != model.make_vocab_size_divisible_by:
+        raise ConfigError("tokenizer.make_vocab_size_divisible_by", f"{tok.make_vocab_size_divisible_by} differs "
+                          f"from model.make_vocab_size_divisible_by ({model.make_vocab_size_divisible_by}), "
+                          "which pads the embedding.", "Set model.make_vocab_size_divisible_by only.")
+    if tok.vocab_extra_ids:
+        raise ConfigError("tokenizer.vocab_extra_ids", "is not supported by bridge's tokenizers.", "Leave it at 0.")
+    if tok.tokenizer_type != "NullTokenizer":
+        from bridge_cli.data.tokenizers import build_tokenizer
+
+        return build_tokenizer(tok).vocab_size
+    if model.vocab_size is None or model.vocab_size < 1:
+        raise ConfigError("model.vocab_size", "is not set.", "Set model.vocab_size to the tokenizer's vocabulary size.")
+    return model.vocab_size
+
+
+def _check_required(cfg) -> None:
+    if not cfg.train.train_iters or cfg.train.train_iters < 1:
+        raise ConfigError("train.train_iters", "is not set.", "Set train.train_iters=N (N >= 1).")
+    m = cfg.model
+    if m.num_layers < 1 or m.hidden_size < 1 or m.num_attention_heads < 1:
+        raise ConfigError("model", "num_layers, hidden_size and num_attention_heads must be set.",
+                          "Pick a recipe (bridge recipes list) or set them.")
+    if cfg.optimizer.lr is None:
+        raise ConfigError("optimizer.lr", "is not set.", "Set optimizer.lr, e.g. optimizer.lr=3e-4.")
+    for key, value in (("logger.log_interval", cfg.logger.log_interval), ("model.seq_length", m.seq_length)):
+        if value is None or value < 1:
+            raise ConfigError(key, f"must be >= 1, got {value}.")
+
+
+def _check_scheduler_fields_unset(scheduler) -> None:
+    for name in SCHEDULER_STEP_FIELDS:
+        if getattr(scheduler, name) is not None:
+            source = "lr_wsd_decay_iters" if name == "wsd_decay_steps" else name.replace("_steps", "_iters")
+            raise ConfigError(f"scheduler.{name}", "is derived from the iteration settings (in samples) and cannot "
+                              "be set.", f"Set scheduler.{source} instead, or leave it unset.")
+
+
+def _check_precision(cfg) -> None:
+    for flag in ("bf16", "fp16"):
+        if getattr(cfg.model, flag) != getattr(cfg.optimizer, flag):
+            raise ConfigError(f"optimizer.{flag}", f"differs from model.{flag}.",
+                              f"Set both, or let optimizer.{flag} follow the model (the default).")
+    if cfg.optimizer.use_distributed_optimizer != cfg.ddp.use_distributed_optimizer:
+        raise ConfigError("ddp.use_distributed_optimizer", "differs from optimizer.use_distributed_optimizer.",
+                          "Set both, or let ddp.use_distributed_optimizer follow the optimizer (the default).")
+
+
+def _check_rerun_mode(cfg) -> None:
+    if cfg.rerun_state_machine.rerun_mode != "disabled":
+        raise ConfigError("rerun_state_machine.rerun_mode", "only 'disabled' is supported by this version of bridge.",
+                          "NaN/Inf losses are still detected and reported with their iteration.")
+
+
+def _check_model_shape(m) -> None:
+    """What megatron-core would only refuse while building the model (or never, splitting unevenly)."""
+    heads, groups, tp = m.num_attention_heads, m.num_query_groups or m.num_attention_heads, m.tensor_model_parallel_size
+    if heads % groups:
+        raise ConfigError("model.num_query_groups", f"{groups} does not divide model.num_attention_heads ({heads}).",
+                          "Pick a divisor of the head count.")
+    for key, value in (("model.num_attention_heads", heads), ("model.num_query_groups", groups),
+                       ("model.ffn_hidden_size", m.ffn_hidden_size)):
+        if value % tp:
+            raise ConfigError(key, f"{value} is not divisible by model.tensor_model_parallel_size ({tp}).",
+                              "Pick a tensor-parallel size that divides it.")
+    pp, vpp = m.pipeline_model_parallel_size, m.virtual_pipeline_model_parallel_size or 1
+    uneven = m.num_layers_in_first_pipeline_stage or m.num_layers_in_last_pipeline_stage or \
+        getattr(m, "pipeline_model_parallel_layout", None)
+    if not uneven and m.num_layers % (pp * vpp):
+        raise ConfigError("model.num_layers", f"{m.num_layers} layers do not split evenly into "
+                          f"{pp} pipeline stages x {vpp} virtual stages.",
+                          "Change model.pipeline_model_parallel_size (or the virtual size), or set "
+                          "model.num_layers_in_first_pipeline_stage / num_layers_in_last_pipeline_stage.")
+
+
+def _check_gradient_norm_logging(cfg, dp: int) -> None:
+    if cfg.logger.log_l2_norm_grad_to_tensorboard and cfg.ddp.use_distributed_optimizer and dp > 1:
+        raise ConfigError("logger.log_l2_norm_grad_to_tensorboard",
+                          "needs whole gradients on every rank; the distributed optimizer keeps only a "
+                          "data-parallel shard of them.",
+                          "Unset it, or set optimizer.use_distributed_optimizer=false.")
+
+
+def _batches(train, dp: int) -> tuple[int, int]:
+    """(global batch, micro-batches per step)."""
+    if train.micro_batch_size is None or train.micro_batch_size < 1:
+        raise ConfigError("train.micro_batch_size", "must be >= 1.")
+    per_step = train.micro_batch_size * dp
+    global_batch = train.global_batch_size if train.global_batch_size is not None else per_step
+    if global_batch < 1 or global_batch % per_step:
+        raise ConfigError(
+            "train.global_batch_size",
+            f"{global_batch} is not a multiple of micro batch ({train.micro_batch_size}) "
+            f"x data-parallel size ({dp}) = {per_step}.",
+            f"Use a multiple of {per_step}, e.g. train.global_batch_size={max(per_step, global_batch // per_step * per_step)}.",
+        )
+    if train.rampup_batch_size:
+        if len(train.rampup_batch_size) != 3:
+            raise ConfigError("train.rampup_batch_size", f"needs 3 numbers, got {train.rampup_batch_size}.",
+                              "Write [start batch, increment, ramp-up samples], e.g. [16,16,300000].")
+        start, increment, _ = train.rampup_batch_size
+        if start % per_step or increment % per_step:
+            raise ConfigError("train.rampup_batch_size", f"start ({start}) and increment ({increment}) must be "
+                              f"multiples of micro batch x data-parallel size ({per_step}).")
+    return global_batch, global_batch // per_step
+
+
+def _check_sequence_length(cfg) -> None:
+    data_len, model_len = cfg.dataset.seq_length, cfg.model.seq_length
+    if isinstance(cfg.dataset, FinetuningDatasetConfig):
+        if data_len is not None and data_len > model_len:
+            raise ConfigError("dataset.seq_length", f"{data_len} is longer than model.seq_length ({model_len}).",
+                              "Lower dataset.seq_length or raise model.seq_length.")
+    elif data_len != model_len:
+        relation = "is longer than" if data_len > model_len else "differs from"
+        raise ConfigError("dataset.seq_length", f"{data_len} {relation} model.seq_length ({model_len}).",
+                          "Set them equal (the dataset follows the model by default).")
+
+
+def _scheduler_steps(s, global_batch: int, iters: int) -> dict[str, Optional[int]]:
+    """Scheduler steps count samples, as megatron-core's OptimizerParamScheduler expects."""
+    if s.lr_warmup_fraction is not None and s.lr_warmup_iters:
+        raise ConfigError("scheduler.lr_warmup_fraction", "and scheduler.lr_warmup_iters are mutually exclusive.",
+                          "Set one of them.")
+    decay_iters = s.lr_decay_iters or iters
+    decay = decay_iters * global_batch
+    warmup = (int(s.lr_warmup_fraction * decay) if s.lr_warmup_fraction is not None
+              else s.lr_warmup_iters * global_batch)
+    if warmup > decay:
+        raise ConfigError("scheduler.lr_warmup_iters", f"warmup ({warmup // global_batch} iterations) is longer "
+                          f"than the decay ({decay_iters} iterations).", "Shorten the warmup.")
+    wsd = s.lr_wsd_decay_iters * global_batch if s.lr_wsd_decay_iters else None
+    if s.lr_decay_style == "WSD" and wsd is None:
+        raise ConfigError("scheduler.lr_wsd_decay_iters", "is required by lr_decay_style=WSD.",
+                          "Set scheduler.lr_wsd_decay_iters=N.")
+    return {"lr_warmup_steps": warmup, "lr_decay_steps": decay, "wd_incr_steps": iters * global_batch,
+            "wsd_decay_steps": wsd}
+

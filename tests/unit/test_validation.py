@@ -1,0 +1,58 @@
+"""The one validate-and-derive pass: config validate, --dry-run and a run refuse the same things."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.unit.test_cli_errors import assert_user_error
+
+REFUSED = [
+    (["model.num_attention_heads=5"], ["model.num_query_groups", "does not divide model.num_attention_heads (5)"]),
+    (["logger.log_interval=0"], ["logger.log_interval", "must be >= 1"]),
+    (["rerun_state_machine.rerun_mode=validate_results"], ["rerun_state_machine.rerun_mode"]),
+    (["model.num_layers=3", "model.pipeline_model_parallel_size=2", "--world-size", "2"],
+     ["model.num_layers", "3 layers do not split evenly into 2 pipeline stages"]),
+    (["model.ffn_hidden_size=511", "model.tensor_model_parallel_size=2", "--world-size", "2"],
+     ["model.ffn_hidden_size", "not divisible by model.tensor_model_parallel_size (2)"]),
+    (["scheduler.lr_decay_steps=100"], ["scheduler.lr_decay_steps", "scheduler.lr_decay_iters instead"]),
+    (["mixed_precision=bf16_mixed", "--device", "cpu"], ["model.bf16=true needs CUDA", "mixed_precision=fp32"]),
+]
+
+
+@pytest.mark.parametrize("args, fragments", REFUSED)
+def test_config_validate_and_dry_run_refuse_alike(cli, args, fragments):
+    for command in (("config", "validate"), ("pretrain", "--dry-run")):
+        assert_user_error(cli(*command, "recipe=tiny", *args), *fragments)
+
+
+def test_a_run_refuses_what_validation_refuses(cli):
+    """pretrain without --dry-run stops in the same pass, before any process group or model."""
+    assert_user_error(cli("pretrain", "recipe=tiny", "rerun_state_machine.rerun_mode=validate_results"),
+                      "rerun_state_machine.rerun_mode")
+    assert_user_error(cli("pretrain", "recipe=tiny", "model.num_attention_heads=5"), "model.num_query_groups")
+
+
+def test_device_decides_what_is_refused(cli):
+    gpu = cli("pretrain", "recipe=llama1b", "--dry-run", "--device", "cuda")
+    assert gpu.exit_code == 0, gpu.output
+    assert "device: cuda" in gpu.output
+    assert_user_error(cli("config", "validate", "recipe=llama1b", "--device", "cpu"),
+                      "model.bf16=true, optimizer.use_distributed_optimizer=true need CUDA", "--device cuda")
+    assert_user_error(cli("pretrain", "recipe=tiny", "--device", "cuda"), "--device", "only applies with --dry-run")
+
+
+def test_validation_never_writes_the_config():
+    from bridge_cli.config.compose import compose
+    from bridge_cli.training.config import ConfigContainer
+
+    cfg = ConfigContainer.from_yaml_dict(compose("tiny", ["tokenizer=byte_level", "train.global_batch_size=null"]))
+    before = cfg.to_dict()
+    derived = cfg.validate(2, "cpu")
+    assert cfg.to_dict() == before
+    assert (derived.vocab_size, derived.padded_vocab_size, derived.global_batch_size) == (259, 384, 8)
+    assert derived.data_parallel_size == 2 and derived.num_microbatches == 1
+    assert derived.model.vocab_size == 259 and derived.model.use_cpu_initialization
+    assert cfg.model.vocab_size == 1024 and not cfg.model.use_cpu_initialization
+    assert derived.lr_decay_steps == cfg.train.train_iters * 8
+    with pytest.raises(Exception):
+        derived.world_size = 4  # frozen
