@@ -16,7 +16,6 @@ from typing import Any
 import torch.distributed as dist
 
 from bridge_cli.checkpoint import layout, state_dict
-from bridge_cli.runtime.errors import RuntimeUnavailable
 
 RUN_CONFIG = "run_config.yaml"
 NON_PERSISTENT = "non_persistent"
@@ -44,9 +43,6 @@ def save_checkpoint(state, model: list, optimizer, scheduler, checkpointing_cont
 
     cfg = state.cfg
     ckpt = cfg.checkpoint
-    if ckpt.async_save and not state.runtime.is_cuda:
-        raise RuntimeUnavailable("checkpoint.async_save=true needs CUDA; no GPU is visible. "
-                                 "Set checkpoint.async_save=false to save on the CPU.")
     root, iteration = save_root(cfg, non_persistent), state.train_state.step
     tmp = layout.incomplete_dir(root, iteration)
     if dist.get_rank() == 0:

@@ -133,8 +133,4 @@ class CheckpointConfig:
         if self.ckpt_format != "torch_dist":
             problems.append(("ckpt_format", f"{self.ckpt_format!r} is not supported; megatron-core 0.16+ reads "
                              "and writes torch_dist."))
-        unsupported = {"use_checkpoint_args": self.use_checkpoint_args,
-                       "ckpt_convert_format": self.ckpt_convert_format is not None}
-        problems += [(name, "is not supported by this version of bridge; leave it unset.")
-                     for name, on in unsupported.items() if on]
         return problems

@@ -65,13 +65,13 @@ class LoggerConfig:
     """Weights & Biases entity (user or team)."""
 
     logging_level: Optional[int] = None
-    """Python logging level, e.g. 20 for INFO (None: leave the default)."""
+    """Python logging level of bridge's and megatron-core's loggers, e.g. 20 for INFO (None: leave the default)."""
 
     filter_warnings: bool = True
-    """Filter out warning messages."""
+    """Drop WARNING records of Python logging (megatron-core's start-up warnings); Python warnings are untouched."""
 
     modules_to_filter: Optional[list[str]] = None
-    """Logger names whose messages are filtered out."""
+    """Logger names (and their children) whose logging records are dropped, e.g. [megatron.core.datasets]."""
 
     set_level_for_all_loggers: bool = False
     """Apply logging_level to every logger, not only the framework's own."""

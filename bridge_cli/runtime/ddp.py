@@ -10,16 +10,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from bridge_cli.runtime.errors import RuntimeUnavailable
-
 if TYPE_CHECKING:
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import MegatronOptimizer
 
-    from bridge_cli.runtime.distributed import Runtime
 
-
-def wrap_model(model_chunks: list, ddp_config: DistributedDataParallelConfig, runtime: Runtime) -> list:
+def wrap_model(model_chunks: list, ddp_config: DistributedDataParallelConfig) -> list:
     """Wrap each model chunk in megatron-core DDP and make the data-parallel replicas equal.
 
     Chunks after the first (virtual pipeline stages) share one bucket each, as Megatron-LM
@@ -28,12 +24,6 @@ def wrap_model(model_chunks: list, ddp_config: DistributedDataParallelConfig, ru
     from megatron.core.distributed import DistributedDataParallel
     from megatron.core.utils import get_model_config
 
-    if not runtime.is_cuda and ddp_config.use_distributed_optimizer:
-        raise RuntimeUnavailable(
-            "ddp.use_distributed_optimizer=true needs CUDA; no GPU is visible. "
-            "Set ddp.use_distributed_optimizer=false (and optimizer.use_distributed_optimizer=false)"
-            " to train on the CPU."
-        )
     wrapped = [
         DistributedDataParallel(
             config=get_model_config(chunk),

@@ -38,7 +38,6 @@ def build_optimizer(
     from bridge_cli.runtime.cpu_optimizer import CPUChainedOptimizer, CPUFP32Optimizer
     from bridge_cli.runtime.cpu_patches import apply_cpu_patches
 
-    check_cpu_optimizer_config(optimizer_config)
     apply_cpu_patches()
     optimizer = get_megatron_optimizer(optimizer_config, model_chunks)
     members = getattr(optimizer, "chained_optimizers", [optimizer])
@@ -80,26 +79,3 @@ def use_fused_adam(optimizer: MegatronOptimizer) -> None:
         for param, state in inner.state.items():
             if isinstance(state.get("step"), torch.Tensor):
                 state["step"] = state["step"].to(device=param.device, dtype=torch.float32)
-
-
-def check_cpu_optimizer_config(config: OptimizerConfig) -> None:
-    """Refuse optimizer settings whose megatron-core implementation only exists on CUDA."""
-    cuda_only = {
-        "optimizer.use_distributed_optimizer": config.use_distributed_optimizer,
-        "optimizer.bf16": config.bf16,
-        "optimizer.fp16": config.fp16,
-        "optimizer.optimizer_cpu_offload": config.optimizer_cpu_offload,
-        "optimizer.use_precision_aware_optimizer": config.use_precision_aware_optimizer,
-    }
-    enabled = [key for key, value in cuda_only.items() if value]
-    if enabled:
-        raise RuntimeUnavailable(
-            f"{', '.join(k + '=true' for k in enabled)} needs CUDA; no GPU is visible. "
-            "On the CPU, megatron-core trains with fp32 weights and a plain (non-distributed) "
-            f"optimizer: set {', '.join(k + '=false' for k in enabled)}."
-        )
-    if config.optimizer not in ("adam", "sgd"):
-        raise RuntimeUnavailable(
-            f"optimizer.optimizer={config.optimizer} is not supported on the CPU; "
-            "use optimizer.optimizer=adam or optimizer.optimizer=sgd."
-        )

@@ -7,7 +7,6 @@ from typing import Optional
 import torch
 
 from bridge_cli.config.runtime_configs import ProfilingConfig
-from bridge_cli.runtime.errors import RuntimeUnavailable
 
 
 class StepProfiler:
@@ -20,10 +19,6 @@ class StepProfiler:
         self.torch_profiler = None
         if not self.active:
             return
-        if not is_cuda and (cfg.use_nsys_profiler or cfg.record_memory_history):
-            flag = "use_nsys_profiler" if cfg.use_nsys_profiler else "record_memory_history"
-            raise RuntimeUnavailable(f"profiling.{flag}=true needs CUDA and no GPU is visible; "
-                                     "profiling.use_pytorch_profiler=true works on the CPU.")
         if cfg.use_pytorch_profiler:
             from torch.profiler import ProfilerActivity, profile, tensorboard_trace_handler
 

@@ -127,6 +127,7 @@ def initialize(state: GlobalState):
     """Process groups, the validated config for this world, seeds, timers and the micro-batch calculator."""
     from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
 
+    from bridge_cli.logging.python_logging import configure_python_logging
     from bridge_cli.logging.timers import build_timers
     from bridge_cli.runtime.distributed import init_distributed
 
@@ -147,6 +148,7 @@ def initialize(state: GlobalState):
     )
     state.runtime = runtime
     derived = cfg.validate(runtime.world_size, runtime.device.type)
+    configure_python_logging(cfg.logger)
     set_seeds(cfg.rng.seed, runtime)
     # megatron-core's schedules, grad finalization and optimizer time themselves through these.
     state.timers = derived.model.timers = cfg.optimizer.timers = build_timers(cfg.logger)
@@ -175,7 +177,7 @@ def setup(state: GlobalState, checkpointing_context: Optional[dict] = None) -> S
     runtime = initialize(state)
     clock.lap("process groups")
     # megatron-core's DDP and optimizer take only the parameters that require grad: with peft, the adapters
-    model = wrap_model(build_model(cfg, runtime), cfg.ddp, runtime)
+    model = wrap_model(build_model(cfg, runtime), cfg.ddp)
     clock.lap("model")
     optimizer = build_optimizer(cfg.optimizer, model, runtime)
     configure_grad_sync(model, optimizer, cfg.dist.align_grad_reduce)

@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 from bridge_cli.config.errors import ConfigError
 from bridge_cli.config.fields import check_section
+from bridge_cli.config.unsupported import check_unsupported
 from bridge_cli.config.data_configs import FinetuningDatasetConfig
 from bridge_cli.runtime.device_rules import check_device
 
@@ -74,6 +75,7 @@ def validate_and_derive(cfg, world_size: int, device: str) -> Derived:
         value = getattr(cfg, f.name)
         if f.init and f.name not in ("model", "optimizer", "ddp") and dataclasses.is_dataclass(value):
             check_section(f.name, value)
+    check_unsupported(cfg)
     _check_required(cfg)
     _check_scheduler_fields_unset(cfg.scheduler)
     _check_precision(cfg)

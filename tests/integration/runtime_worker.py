@@ -41,7 +41,7 @@ def main() -> None:
 
     runtime = init_distributed("gloo", 2, args.tp, args.pp)
     model = build_model(args.tp, args.pp)
-    chunks = wrap_model([model], DistributedDataParallelConfig(), runtime)
+    chunks = wrap_model([model], DistributedDataParallelConfig())
     adam = OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.01, clip_grad=1.0)
     optimizer = build_optimizer(adam, chunks, runtime)
     configure_grad_sync(chunks, optimizer)
