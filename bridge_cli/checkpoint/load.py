@@ -9,9 +9,9 @@ What is restored follows the checkpoint section:
   no checkpoint): the weights only; the run starts at iteration 0 with a fresh optimizer.
 - ``load`` holds none: training starts from scratch, or, with ``exit_on_missing_checkpoint``,
   stops with an error.
-- ``peft`` (LoRA): the base weights load first, from ``pretrained_checkpoint`` or the base an
-  adapter checkpoint names; then, when ``load`` holds an adapter checkpoint, the adapters with
-  their optimizer, scheduler, RNG and progress as above.
+- with an adapter policy (LoRA): the base weights load first, from ``pretrained_checkpoint`` or the
+  base an adapter checkpoint names; then, when ``load`` holds an adapter checkpoint, the adapters
+  with their optimizer, scheduler, RNG and progress as above.
 
 Model and optimizer tensors reshard to the run's tensor/pipeline/data-parallel layout; RNG states
 are per (pipeline, tensor) rank and are restored only when that layout is unchanged.
@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from bridge_cli.checkpoint import layout, state_dict, verify
+from bridge_cli.checkpoint.adapters import AdapterPolicy
 from bridge_cli.checkpoint.errors import CheckpointError
 from bridge_cli.checkpoint.save import NON_PERSISTENT
 
@@ -41,30 +42,33 @@ class Source:
     why: str
 
 
-def resolve_resume(ckpt_cfg, mode: str) -> list[str]:
+def resolve_resume(ckpt_cfg, mode: str) -> tuple[Optional[str], list[str]]:
     """``--resume auto``: resume from ``checkpoint.save`` when ``checkpoint.load`` is unset and a checkpoint is there.
 
-    Sets ``checkpoint.load`` in that case; returns the lines to tell the user (nothing for ``never``).
+    Returns the folder to use as ``checkpoint.load`` (None: leave it as it is) and the lines to tell
+    the user (nothing for ``never``). Called while the config is built, before validation.
     """
     if mode != "auto" or ckpt_cfg.load is not None or ckpt_cfg.save is None:
-        return []
+        return None, []
     found = layout.find_checkpoint(Path(ckpt_cfg.save))
     if found.path is None and not _newer_non_persistent(ckpt_cfg, Path(ckpt_cfg.save), -1):
-        return [f"resume: {note}" for note in found.notes] + [
+        return None, [f"resume: {note}" for note in found.notes] + [
             f"resume: no checkpoint in {ckpt_cfg.save} yet; starting from iteration 0."]
-    ckpt_cfg.load = ckpt_cfg.save  # load_checkpoint reports what the search noticed
-    return [f"resume: resuming from {ckpt_cfg.save} (--resume auto; --resume never starts from scratch)."]
+    # load_checkpoint reports what the search noticed
+    return ckpt_cfg.save, [f"resume: resuming from {ckpt_cfg.save} (--resume auto; --resume never starts from scratch)."]
 
 
-def load_checkpoint(state, model: list, optimizer, scheduler, weights_only: bool = False) -> Optional[Path]:
+def load_checkpoint(state, model: list, optimizer, scheduler, weights_only: bool = False,
+                    adapters: Optional[AdapterPolicy] = None) -> Optional[Path]:
     """Restore what ``state.cfg.checkpoint`` asks for; returns the folder loaded, or None.
 
     ``weights_only`` loads the model weights alone whatever the checkpoint section says (evaluation,
-    merging); ``optimizer`` and ``scheduler`` may then be None.
+    merging); ``optimizer`` and ``scheduler`` may then be None. ``adapters`` (a model carrying LoRA
+    adapters) loads the base model, then the adapters, and records the base in ``state.base_checkpoint``.
     """
     source = choose_source(state.cfg.checkpoint, state.cfg.checkpoint.load)
-    if state.cfg.peft is not None:
-        return _load_base_and_adapters(state, model, optimizer, scheduler, source, weights_only)
+    if adapters is not None:
+        return _load_base_and_adapters(state, model, optimizer, scheduler, source, weights_only, adapters)
     if source is None:
         return None
     if adapter_metadata(source.found.path) is not None:
@@ -96,22 +100,21 @@ def _load_source(state, model: list, optimizer, scheduler, source: Source, weigh
 
 
 def _load_base_and_adapters(state, model: list, optimizer, scheduler, source: Optional[Source],
-                            weights_only: bool) -> Path:
-    """LoRA: the frozen base weights, then the adapters when ``source`` is an adapter checkpoint."""
-    from bridge_cli.peft.lora import is_adapter_key, is_base_key
-
+                            weights_only: bool, adapters: AdapterPolicy) -> Path:
+    """The frozen base weights, then the adapters when ``source`` is an adapter checkpoint."""
     ckpt = state.cfg.checkpoint
     if source is None:
         raise CheckpointError("peft=lora trains adapters on a pretrained model, and no checkpoint is set. "
                               "Set checkpoint.pretrained_checkpoint=DIR (a checkpoint `bridge pretrain` wrote).")
-    adapters = adapter_metadata(source.found.path)
-    if adapters is None:
+    saved = adapter_metadata(source.found.path)
+    if saved is None:
         if source.why != "checkpoint.pretrained_checkpoint":
             _say(f"{source.found.path} holds a whole model, not LoRA adapters: loading it as the base model; "
                  "the adapters start from their initial values.")
-        return _load_source(state, model, optimizer, scheduler, source, True, is_base_key, "base model")
-    _check_adapters_match(source.found.path, adapters, state.cfg.peft)
-    base_dir = ckpt.pretrained_checkpoint or adapters.get("base_checkpoint")
+        state.base_checkpoint = ckpt.pretrained_checkpoint
+        return _load_source(state, model, optimizer, scheduler, source, True, adapters.is_base_key, "base model")
+    _check_adapters_match(source.found.path, saved, adapters.settings)
+    base_dir = ckpt.pretrained_checkpoint or saved.get("base_checkpoint")
     if not base_dir:
         raise CheckpointError(f"{source.found.path} holds LoRA adapters and does not name their base model. "
                               "Set checkpoint.pretrained_checkpoint=DIR.")
@@ -120,18 +123,18 @@ def _load_base_and_adapters(state, model: list, optimizer, scheduler, source: Op
     if base.path is None:
         raise CheckpointError(f"{key}: no checkpoint in {base_dir} (no {layout.TRACKER}, no iter_* folder, "
                               "no metadata.json). Set checkpoint.pretrained_checkpoint=DIR to the base model.")
-    ckpt.pretrained_checkpoint = base_dir  # the adapters saved by this run name the same base
-    _load_source(state, model, optimizer, scheduler, Source(base, True, key), True, is_base_key, "base model")
+    state.base_checkpoint = base_dir  # the adapters saved by this run name the same base
+    _load_source(state, model, optimizer, scheduler, Source(base, True, key), True, adapters.is_base_key, "base model")
     return _load_source(state, model, optimizer, scheduler, source, weights_only or source.weights_only,
-                        is_adapter_key, "LoRA adapters")
+                        adapters.is_adapter_key, "LoRA adapters")
 
 
-def _check_adapters_match(path: Path, saved: dict, peft) -> None:
+def _check_adapters_match(path: Path, saved: dict, settings: dict) -> None:
     """Shapes are checked tensor by tensor; alpha is not a tensor, and scales every adapter's output."""
     for name in ("dim", "alpha", "target_modules"):
-        if name in saved and saved[name] != getattr(peft, name):
+        if name in saved and saved[name] != settings.get(name):
             raise CheckpointError(f"{path} holds LoRA adapters with peft.{name}={saved[name]} "
-                                  f"(this run: {getattr(peft, name)}). Set peft.{name}={saved[name]}.")
+                                  f"(this run: {settings.get(name)}). Set peft.{name}={saved[name]}.")
 
 
 def choose_source(ckpt, load_dir: Optional[str]) -> Optional[Source]:
@@ -185,7 +188,8 @@ def _load(state, model: list, optimizer, scheduler, path: Path, weights_only: bo
     if "checkpoint_version" not in common and "iteration" not in common:
         raise CheckpointError(f"{path} is a torch_dist checkpoint but not one bridge or Megatron-LM wrote "
                               "(its common state has no checkpoint_version or iteration).")
-    template = state_dict.model_sharded_state_dict(model, state_dict.content_metadata(state.cfg), select)
+    metadata = state_dict.content_metadata(state.cfg.optimizer.use_distributed_optimizer)
+    template = state_dict.model_sharded_state_dict(model, metadata, select)
     saved = verify.saved_config(path)
     verify.check_model_matches(path, template, stored, state.cfg.derived.model, saved)
     load_optim = not weights_only and optimizer is not None and _optimizer_state_fits(path, state.cfg, stored, saved)
@@ -193,8 +197,8 @@ def _load(state, model: list, optimizer, scheduler, path: Path, weights_only: bo
     if load_optim:
         _initialize_optimizer_state(optimizer)
 
-    sharded = state_dict.build(state, model, optimizer, scheduler, optim=load_optim, rng=load_rng, is_loading=True,
-                               select=select)
+    sharded = state_dict.build(state.train_state, model, optimizer, scheduler, metadata=metadata, optim=load_optim,
+                               rng=load_rng, is_cuda=state.runtime.is_cuda, is_loading=True, select=select)
     with warnings.catch_warnings():
         # torch's and megatron-core's own deprecation notices about their internals: nothing to act on
         warnings.filterwarnings("ignore", message=".*(deprecating ShardedTensor|`load_state_dict` is deprecated)",

@@ -1,10 +1,11 @@
-"""save_checkpoint(): write one torch_dist checkpoint, atomically from a reader's side.
+"""write_checkpoint(): write one torch_dist checkpoint folder, atomically from a reader's side.
 
 Every rank writes its shards into ``iter_XXXXXXX.incomplete`` (megatron-core's
 ``dist_checkpointing.save``); after a barrier rank 0 adds ``run_config.yaml``, renames the folder
 into place, moves the tracker and prunes old checkpoints (see :mod:`bridge_cli.checkpoint.layout`).
-With ``checkpoint.async_save`` (CUDA only) the shard writing runs in the background and that last
-step runs when it has finished on every rank, from :func:`finalize_async_saves`.
+An async save returns its request, whose finalization does that last step once the shards are
+written on every rank. Training saves through :class:`bridge_cli.checkpoint.manager.CheckpointManager`;
+conversion and LoRA merging call this directly.
 """
 
 from __future__ import annotations
@@ -15,103 +16,53 @@ from typing import Any
 
 import torch.distributed as dist
 
-from bridge_cli.checkpoint import layout, state_dict
+from bridge_cli.checkpoint import layout
 
 RUN_CONFIG = "run_config.yaml"
 NON_PERSISTENT = "non_persistent"
 
 
-def save_root(cfg, non_persistent: bool) -> Path:
-    """Where this kind of checkpoint goes: ``checkpoint.save``, or the non-persistent folder."""
-    ckpt = cfg.checkpoint
-    if not non_persistent:
-        return Path(ckpt.save)
-    return Path(ckpt.non_persistent_global_ckpt_dir or Path(ckpt.save) / NON_PERSISTENT)
-
-
-def save_checkpoint(state, model: list, optimizer, scheduler, checkpointing_context: dict[str, Any],
-                    non_persistent: bool = False) -> Path:
-    """Save model, optimizer, scheduler, RNG and progress at ``state.train_state.step``; returns the folder.
-
-    With ``peft`` the model part is the adapters alone (see :mod:`bridge_cli.checkpoint.state_dict`);
-    ``optimizer`` and ``scheduler`` may be None for a weights-only checkpoint (a merged model).
-
-    Non-persistent checkpoints (``checkpoint.non_persistent_ckpt_type=global``) use the same layout
-    in their own folder, where only the newest is kept.
-    """
+def write_checkpoint(root: Path, iteration: int, sharded: dict, run_record: dict[str, Any], *,
+                     content_metadata: dict, strategy=None, async_save: bool = False, keep: int = -1,
+                     clear_interrupted: bool = True):
+    """Write ``sharded`` (every rank's part) as ``root/iter_<iteration>``; returns (its path, the async
+    request or None). ``run_record`` becomes its run_config.yaml; ``keep`` > 0 prunes all but the
+    newest ``keep`` checkpoints; ``clear_interrupted`` deletes folders that crashed saves left behind."""
     from megatron.core import dist_checkpointing
 
-    cfg = state.cfg
-    ckpt = cfg.checkpoint
-    root, iteration = save_root(cfg, non_persistent), state.train_state.step
     tmp = layout.incomplete_dir(root, iteration)
     if dist.get_rank() == 0:
         layout.start(root, iteration)
-        if not checkpointing_context.get(f"cleaned:{root}"):
+        if clear_interrupted:
             layout.remove_incomplete(root, keep=tmp)
-            checkpointing_context[f"cleaned:{root}"] = True
     dist.barrier()
-    sharded = state_dict.build(state, model, optimizer, scheduler, optim=ckpt.save_optim and optimizer is not None,
-                               rng=ckpt.save_rng, select=state_dict.saved_model_keys(cfg))
-    request = dist_checkpointing.save(
-        sharded, str(tmp), _save_strategy(cfg, checkpointing_context),
-        async_sharded_save=ckpt.async_save,
-        content_metadata=state_dict.content_metadata(cfg),
-        **_async_strategy(ckpt.async_save),
-    )
-    finish = partial(_publish, root, iteration, cfg.run_record(), ckpt.most_recent_k if not non_persistent else 1)
+    request = dist_checkpointing.save(sharded, str(tmp), strategy, async_sharded_save=async_save,
+                                      content_metadata=content_metadata, **_async_strategy(async_save))
+    finish = partial(_publish, Path(root), iteration, run_record, keep)
     if request is None:
         finish()
     else:
         request.add_finalize_fn(finish)
-        _async_queue(checkpointing_context, ckpt.use_persistent_ckpt_worker).schedule_async_request(request)
+    return layout.checkpoint_dir(root, iteration), request
+
+
+def save_root(ckpt_cfg, non_persistent: bool) -> Path:
+    """Where this kind of checkpoint goes: ``checkpoint.save``, or the non-persistent folder."""
     if not non_persistent:
-        checkpointing_context["last_saved_step"] = iteration
-    return layout.checkpoint_dir(root, iteration)
+        return Path(ckpt_cfg.save)
+    return Path(ckpt_cfg.non_persistent_global_ckpt_dir or Path(ckpt_cfg.save) / NON_PERSISTENT)
 
 
-def finalize_async_saves(checkpointing_context: dict[str, Any], blocking: bool) -> None:
-    """Publish the async saves that have finished on every rank (all of them when ``blocking``)."""
-    queue = checkpointing_context.get("async_queue")
-    if queue is None:
-        return
-    queue.maybe_finalize_async_calls(blocking=blocking)
-    if blocking:
-        queue.close()
-        checkpointing_context.pop("async_queue")
-
-
-def _publish(root: Path, iteration: int, run_config: dict, keep: int) -> None:
+def _publish(root: Path, iteration: int, run_record: dict, keep: int) -> None:
     """After every rank has written its shards: the config, the rename, the tracker, the pruning."""
     dist.barrier()
     if dist.get_rank() == 0:
         from omegaconf import OmegaConf
 
-        (layout.incomplete_dir(root, iteration) / RUN_CONFIG).write_text(OmegaConf.to_yaml(run_config))
+        (layout.incomplete_dir(root, iteration) / RUN_CONFIG).write_text(OmegaConf.to_yaml(run_record))
         layout.publish(root, iteration)
         layout.prune(root, keep, protect=iteration)
     dist.barrier()
-
-
-def _save_strategy(cfg, checkpointing_context: dict[str, Any]):
-    """torch_dist, with the writing spread over data-parallel ranks unless fully_parallel_save is off.
-
-    Kept for the whole run, as Megatron-LM does: with ckpt_assume_constant_structure it caches
-    the save plan of the first save and skips planning afterwards.
-    """
-    from megatron.core import parallel_state as ps
-    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
-    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
-
-    if "save_strategy" in checkpointing_context:
-        return checkpointing_context["save_strategy"]
-    ckpt = cfg.checkpoint
-    strategy = TorchDistSaveShardedStrategy("torch_dist", 1, cached_metadata=ckpt.ckpt_assume_constant_structure)
-    if ckpt.fully_parallel_save and ps.get_data_parallel_world_size(with_context_parallel=True) > 1:
-        strategy = FullyParallelSaveStrategyWrapper(strategy, ps.get_data_parallel_group(with_context_parallel=True),
-                                                    ckpt.ckpt_assume_constant_structure)
-    checkpointing_context["save_strategy"] = strategy
-    return strategy
 
 
 def _async_strategy(async_save: bool) -> dict[str, str]:
@@ -125,10 +76,3 @@ def _async_strategy(async_save: bool) -> dict[str, str]:
         return {"async_strategy": "mcore"}
     return {}
 
-
-def _async_queue(checkpointing_context: dict[str, Any], persistent: bool):
-    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
-
-    if "async_queue" not in checkpointing_context:
-        checkpointing_context["async_queue"] = AsyncCallsQueue(persistent=persistent)
-    return checkpointing_context["async_queue"]

@@ -4,8 +4,9 @@ Keys follow Megatron-LM's ``torch_dist`` checkpoints: ``model`` (``model0``, ``m
 virtual pipeline stages), ``optimizer``, ``rng_state``, ``opt_param_scheduler``, ``iteration``,
 ``checkpoint_version`` and ``num_floating_point_operations_so_far``. ``train_state`` (bridge's
 progress counters, whose consumed samples are the data position) and ``bridge`` (a marker) are
-added. A LoRA run (``peft``) saves only its adapters' tensors under ``model``, and ``peft`` (the
-adapter settings and the base checkpoint's path) in the common state. Model and optimizer tensors are ``ShardedTensor``s with global shapes, so a checkpoint
+added. A run with adapters (LoRA, see :mod:`bridge_cli.checkpoint.adapters`) saves only their tensors
+under ``model``, and ``peft`` (the adapter settings and the base checkpoint's path) in the common
+state. Model and optimizer tensors are ``ShardedTensor``s with global shapes, so a checkpoint
 loads under another tensor/pipeline/data-parallel layout; everything else is the common state
 (``common.pt``; megatron-core 0.19 keeps it among the shards) except the RNG states, one
 ``ShardedObject`` per (pipeline, tensor) rank.
@@ -23,10 +24,10 @@ CHECKPOINT_VERSION = 3.0
 FORMAT = "bridge_cli torch_dist v1"
 
 
-def content_metadata(cfg) -> dict[str, Any]:
+def content_metadata(use_distributed_optimizer: bool) -> dict[str, Any]:
     """How model and optimizer state are sharded; saved in the checkpoint, as Megatron-LM does."""
     metadata: dict[str, Any] = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
-    if cfg.optimizer.use_distributed_optimizer:
+    if use_distributed_optimizer:
         # Megatron-LM's default: reshards across data-parallel sizes only. megatron-core 0.19 cannot
         # load its layout-independent "fully_reshardable" format into torch's Adam (no TE / Apex).
         metadata["distrib_optim_sharding_type"] = "dp_reshardable"
@@ -57,49 +58,32 @@ def model_sharded_state_dict(model: list, metadata: dict, select: Selector = Non
     return out
 
 
-def saved_model_keys(cfg) -> Selector:
-    """What this run's checkpoints hold of the model: the adapters alone under ``peft``, else everything."""
-    if cfg.peft is None:
-        return None
-    from bridge_cli.peft.lora import is_adapter_key
-
-    return is_adapter_key
-
-
-def peft_metadata(cfg) -> dict[str, Any]:
-    """The ``peft`` entry of an adapter checkpoint: its settings, and the base model it adapts."""
-    import dataclasses
-    from pathlib import Path
-
-    base = cfg.checkpoint.pretrained_checkpoint
-    return {"scheme": "lora", **dataclasses.asdict(cfg.peft), "base_checkpoint": str(Path(base).resolve()) if base else None}
-
-
-def build(state, model: list, optimizer, scheduler, *, optim: bool, rng: bool, is_loading: bool = False,
-          select: Selector = None) -> dict:
-    """The sharded state dict of this rank (for saving, or as the template ``load`` fills in).
-
-    ``select`` keeps only some model keys (see :func:`saved_model_keys`); ``scheduler`` may be None
-    for a weights-only checkpoint.
-    """
-    cfg, ts = state.cfg, state.train_state
-    metadata = content_metadata(cfg)
-    sharded: dict[str, Any] = {
+def header(train_state) -> dict[str, Any]:
+    """The common-state keys every checkpoint starts with: format, iteration and progress counters."""
+    return {
         "checkpoint_version": CHECKPOINT_VERSION,
         "bridge": FORMAT,
-        "iteration": ts.step,
-        "train_state": ts.state_dict(),
-        "num_floating_point_operations_so_far": ts.floating_point_operations_so_far,
+        "iteration": train_state.step,
+        "train_state": train_state.state_dict(),
+        "num_floating_point_operations_so_far": train_state.floating_point_operations_so_far,
     }
+
+
+def build(train_state, model: list, optimizer, scheduler, *, metadata: dict, optim: bool, rng: bool, is_cuda: bool,
+          is_loading: bool = False, select: Selector = None) -> dict:
+    """The sharded state dict of this rank (for saving, or as the template ``load`` fills in).
+
+    ``select`` keeps only some model keys (an adapter policy's); ``scheduler`` may be None for a
+    weights-only checkpoint.
+    """
+    sharded: dict[str, Any] = header(train_state)
     if scheduler is not None:
         sharded["opt_param_scheduler"] = scheduler.state_dict()
-    if cfg.peft is not None and not is_loading:
-        sharded["peft"] = peft_metadata(cfg)
     sharded.update(model_sharded_state_dict(model, metadata, select))
     if optim:
         sharded["optimizer"] = optimizer.sharded_state_dict(sharded, is_loading=is_loading, metadata=metadata)
     if rng:
-        sharded["rng_state"] = rng_sharded_object(state.runtime.is_cuda)
+        sharded["rng_state"] = rng_sharded_object(is_cuda)
     return sharded
 
 

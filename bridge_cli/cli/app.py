@@ -72,18 +72,15 @@ def _train(entry: str, overrides, recipes_dir, dry_run: bool, world_size, device
     import importlib
 
     _check_device_is_for_dry_run(dry_run, device)
-    recipe, container = load_config(overrides, recipes_dir, world_size, runs_model=not dry_run, device=device)
+    recipe, container = load_config(overrides, recipes_dir, world_size, runs_model=not dry_run, device=device,
+                                    resume=None if dry_run else resume.value)
     if dry_run:
         if is_rank_zero():
             print_dry_run(recipe, container)
         return
-    from bridge_cli.checkpoint.load import resolve_resume
     from bridge_cli.training.gpt_step import forward_step
 
     run = getattr(importlib.import_module(f"bridge_cli.training.{entry}"), entry)
-    for line in resolve_resume(container.checkpoint, resume.value):
-        if is_rank_zero():
-            print(line, flush=True)
     run(container, forward_step)
 
 

@@ -22,19 +22,27 @@ def validate(overrides: Overrides = None, recipes_dir: RecipesDir = None, world_
 
 @app.command()
 def docs(section: Annotated[Optional[str], typer.Argument(help="e.g. train, model, optimizer")] = None) -> None:
-    """Each field of a section (or every section) with its default and one-line description."""
+    """Each field of a section (or every section) with the value a run starts from and its one-line description.
+
+    The value is the config groups' (conf/) before any recipe; where that differs from the schema's
+    own default (Megatron-Bridge's), the schema default follows it.
+    """
     import dataclasses
 
     from bridge_cli.runtime.mcore_import import import_megatron_core
 
     import_megatron_core(runs_model=False)
 
+    from omegaconf import OmegaConf
+
+    from bridge_cli.config.compose import compose
     from bridge_cli.config.mcore_schema import field_docs, schema_fields
     from bridge_cli.config.schema import DATASETS, PEFT, SECTIONS, mcore_sections
 
     sections = {**SECTIONS, **{f"dataset ({k})": v for k, v in DATASETS.items()},
                 **{f"peft ({k})": v for k, v in PEFT.items()}}
     mcore = mcore_sections()
+    composed = OmegaConf.to_container(compose(None, []))
     for name in ([section] if section else [*sections, *mcore]):
         if name in mcore:
             rows = [(f.name, f.default) for f in schema_fields(mcore[name])]
@@ -48,5 +56,8 @@ def docs(section: Annotated[Optional[str], typer.Argument(help="e.g. train, mode
             typer.secho(f"error: no section {name!r}. Sections: {', '.join([*sections, *mcore])}.", err=True)
             raise typer.Exit(2)
         typer.echo(f"[{name}]")
+        used = composed.get(name) or {}
         for field_name, default in rows:
-            typer.echo(f"  {field_name} = {default!r}\n      {docs_.get(field_name, '')}")
+            value = used.get(field_name, default)
+            shown = f"{value!r}" if value == default else f"{value!r}  (schema default {default!r})"
+            typer.echo(f"  {field_name} = {shown}\n      {docs_.get(field_name, '')}")

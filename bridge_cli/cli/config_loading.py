@@ -34,9 +34,13 @@ def is_rank_zero() -> bool:
 
 
 def load_config(overrides: list[str] | None, recipes_dir: list[Path] | None, world_size: int | None = None,
-                runs_model: bool = True, device: Optional[Device | str] = None):
+                runs_model: bool = True, device: Optional[Device | str] = None, resume: Optional[str] = None):
     """Compose, convert and validate one run's config (the recipe defaults to the tiny one); returns
-    (recipe, ConfigContainer) with its derived values."""
+    (recipe, ConfigContainer) with its derived values.
+
+    ``resume='auto'`` points ``checkpoint.load`` at ``checkpoint.save`` when that holds a checkpoint
+    and ``load`` is unset, while the config is built (before validation, which writes nothing).
+    """
     from bridge_cli.runtime.mcore_import import import_megatron_core
 
     import_megatron_core(runs_model)
@@ -50,6 +54,14 @@ def load_config(overrides: list[str] | None, recipes_dir: list[Path] | None, wor
         else:
             rest.append(item)
     container = ConfigContainer.from_yaml_dict(compose(recipe, rest, recipes_dir))
+    if resume is not None:
+        from bridge_cli.checkpoint.load import resolve_resume
+
+        load, lines = resolve_resume(container.checkpoint, resume)
+        if load is not None:
+            container.checkpoint.load = load
+        for line in lines if is_rank_zero() else []:
+            print(line, flush=True)
     container.validate(world_size, getattr(device, "value", device))
     return recipe, container
 

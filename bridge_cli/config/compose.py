@@ -102,13 +102,24 @@ def _translate(err: Exception, recipe: recipes.Recipe | None) -> ConfigError:
     if cause is None:
         return ConfigError(None, text.splitlines()[0])
     if recipe is not None and str(getattr(cause, "full_key", "")).split(".")[0] == "recipe":
-        return _missing_package_header(recipe)
+        return _foreign_package(recipe)
     return _from_omegaconf(cause, source)
 
 
-def _missing_package_header(recipe: recipes.Recipe) -> ConfigError:
-    return ConfigError("recipe", f"{recipe.path} must start with the line '# @package _global_'.",
-                       "Add it so the recipe's keys land at the top level (see `bridge recipes show tiny`).")
+GLOBAL_PACKAGE = "# @package _global_"
+
+
+def _foreign_package(recipe: recipes.Recipe) -> ConfigError:
+    return ConfigError("recipe", f"{recipe.path} declares another Hydra package than _global_, so its keys would "
+                       "not land at the top level.", f"Delete its '# @package' line (or write '{GLOBAL_PACKAGE}').")
+
+
+def _stage_recipe(recipe: recipes.Recipe, folder: Path) -> None:
+    """Put the recipe where Hydra finds it, as a global config: a user's file needs no header line."""
+    text = recipe.path.read_text()
+    if "# @package" not in "\n".join(text.splitlines()[:5]):
+        text = f"{GLOBAL_PACKAGE}\n{text}"
+    (folder / f"{recipe.name}.yaml").write_text(text)
 
 
 def compose(recipe_name: str | None, overrides: list[str], recipes_dirs: list[Path] | None = None) -> DictConfig:
@@ -125,7 +136,7 @@ def compose(recipe_name: str | None, overrides: list[str], recipes_dirs: list[Pa
         hydra_overrides = list(overrides)
         if recipe is not None:
             (Path(root) / "recipe").mkdir()
-            (Path(root) / "recipe" / f"{recipe.name}.yaml").symlink_to(recipe.path)
+            _stage_recipe(recipe, Path(root) / "recipe")
             hydra_overrides = [f"hydra.searchpath=[file://{root}]", f"recipe={recipe.name}", *overrides]
         try:
             with initialize_config_dir(config_dir=str(recipes.conf_dir()), version_base=None):
@@ -133,7 +144,7 @@ def compose(recipe_name: str | None, overrides: list[str], recipes_dirs: list[Pa
         except (HydraException, OmegaConfBaseException) as err:
             raise _translate(err, recipe) from err
     if "recipe" in cfg:
-        raise _missing_package_header(recipe)
+        raise _foreign_package(recipe)
     _reject_unknown_keys(cfg)
     try:
         OmegaConf.resolve(cfg)

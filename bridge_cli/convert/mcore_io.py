@@ -12,7 +12,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from bridge_cli.checkpoint import layout, state_dict, verify
+from bridge_cli.checkpoint import state_dict, verify
 from bridge_cli.checkpoint.errors import CheckpointError
 from bridge_cli.checkpoint.save import RUN_CONFIG
 
@@ -83,23 +83,12 @@ def save_weights(model, cfg, root: Path) -> Path:
     ``checkpoint.load`` both start from it at iteration 0. ``cfg`` (a ConfigContainer) is saved as
     its run_config.yaml.
     """
-    from megatron.core import dist_checkpointing
-    from omegaconf import OmegaConf
-
+    from bridge_cli.checkpoint.save import write_checkpoint
     from bridge_cli.training.state import TrainState
 
-    metadata = state_dict.content_metadata(cfg)
-    sharded = {
-        "checkpoint_version": state_dict.CHECKPOINT_VERSION,
-        "bridge": state_dict.FORMAT,
-        "iteration": 0,
-        "train_state": TrainState().state_dict(),
-        "model": model.sharded_state_dict(metadata=metadata),
-    }
-    folder = layout.start(root, 0)
-    dist_checkpointing.save(sharded, str(folder), content_metadata=metadata)
-    (folder / RUN_CONFIG).write_text(OmegaConf.to_yaml(cfg.run_record()))
-    return layout.publish(root, 0)
+    metadata = state_dict.content_metadata(cfg.optimizer.use_distributed_optimizer)
+    sharded = {**state_dict.header(TrainState()), "model": model.sharded_state_dict(metadata=metadata)}
+    return write_checkpoint(root, 0, sharded, cfg.run_record(), content_metadata=metadata)[0]
 
 
 def load_weights(model, model_cfg, path: Path) -> None:

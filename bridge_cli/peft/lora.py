@@ -38,9 +38,13 @@ def is_adapter_key(key: str) -> bool:
     return f".{ADAPTER}." in key
 
 
-def is_base_key(key: str) -> bool:
-    """Whether a state-dict / checkpoint key belongs to the model the adapters adapt."""
-    return not is_adapter_key(key)
+def adapter_policy(cfg: LoRAConfig):
+    """How checkpoints of a model carrying these adapters are saved and loaded."""
+    import dataclasses
+
+    from bridge_cli.checkpoint.adapters import AdapterPolicy
+
+    return AdapterPolicy({"scheme": "lora", **dataclasses.asdict(cfg)}, is_adapter_key)
 
 
 class LoRAAdapter(torch.nn.Module):

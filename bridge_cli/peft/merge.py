@@ -23,10 +23,10 @@ def merge_adapters(config: ConfigContainer, adapters: str, output: str, base: Op
     ``config`` gives the model (it must be the fine-tuning run's); the LoRA settings are the
     adapters' own. Returns the checkpoint folder written.
     """
-    from bridge_cli.checkpoint import layout
+    from bridge_cli.checkpoint import layout, state_dict
     from bridge_cli.checkpoint.load import adapter_metadata, load_checkpoint
-    from bridge_cli.checkpoint.save import save_checkpoint
-    from bridge_cli.peft.lora import merge_lora
+    from bridge_cli.checkpoint.save import write_checkpoint
+    from bridge_cli.peft.lora import adapter_policy, merge_lora
     from bridge_cli.training.pretrain import run_session
     from bridge_cli.training.setup import build_model, initialize
 
@@ -36,14 +36,18 @@ def merge_adapters(config: ConfigContainer, adapters: str, output: str, base: Op
         raise CheckpointError(f"{found.path} holds a whole model, not LoRA adapters: there is nothing to merge.")
     if layout.find_checkpoint(Path(output)).path is not None:
         raise CheckpointError(f"{output} already holds a checkpoint; give an empty or new folder for the merged model.")
-    config.peft = LoRAConfig(**{f.name: saved[f.name] for f in dataclasses.fields(LoRAConfig) if f.name in saved})
-    ckpt = config.checkpoint
-    ckpt.load, ckpt.pretrained_checkpoint, ckpt.ckpt_step = str(found.path), base or saved.get("base_checkpoint"), None
-    ckpt.save, ckpt.save_optim, ckpt.save_rng = output, False, False
-    with run_session(config) as state:
-        model = build_model(config, initialize(state))
-        load_checkpoint(state, model, None, None, weights_only=True)
+    lora = LoRAConfig(**{f.name: saved[f.name] for f in dataclasses.fields(LoRAConfig) if f.name in saved})
+    # a new config for the merging run: the adapters' settings, loading the adapters onto their base
+    run = dataclasses.replace(config, peft=lora, checkpoint=dataclasses.replace(
+        config.checkpoint, load=str(found.path), pretrained_checkpoint=base or saved.get("base_checkpoint"),
+        ckpt_step=None))
+    with run_session(run) as state:
+        model = build_model(run, initialize(state))
+        load_checkpoint(state, model, None, None, weights_only=True, adapters=adapter_policy(lora))
         merge_lora(model)
-        config.peft = None  # the merged checkpoint is a plain model, and its run_config.yaml says so
         state.train_state.step = found.iteration
-        return save_checkpoint(state, model, None, None, checkpointing_context={})
+        metadata = state_dict.content_metadata(run.optimizer.use_distributed_optimizer)
+        sharded = {**state_dict.header(state.train_state), **state_dict.model_sharded_state_dict(model, metadata)}
+        # the merged checkpoint is a plain model, and its run_config.yaml says so
+        return write_checkpoint(Path(output), found.iteration, sharded, {**run.run_record(), "peft": None},
+                                content_metadata=metadata)[0]

@@ -36,7 +36,7 @@ def evaluate_checkpoint(config: ConfigContainer, forward_step_func: ForwardStepC
     """Evaluate ``checkpoint.load``; the report on the last rank (which holds the losses), None on the others."""
     from bridge_cli.checkpoint.load import load_checkpoint
     from bridge_cli.training.pretrain import run_session
-    from bridge_cli.training.setup import build_data_iterators, build_model, initialize
+    from bridge_cli.training.setup import adapter_policy, build_data_iterators, build_model, initialize
     from bridge_cli.training.train import evaluate
     from bridge_cli.training.utils.train_utils import is_last_rank, perplexity
 
@@ -44,7 +44,7 @@ def evaluate_checkpoint(config: ConfigContainer, forward_step_func: ForwardStepC
     with run_session(config) as state:
         runtime = initialize(state)
         model = build_model(config, runtime)
-        load_checkpoint(state, model, None, None, weights_only=True)
+        load_checkpoint(state, model, None, None, weights_only=True, adapters=adapter_policy(config))
         batches = config.train.eval_iters * config.derived.global_batch_size
         _, valid, test = build_data_iterators(config, state, len(model), sizes=[0, batches, batches])
         report = EvalReport(str(found.path), found.iteration, config.train.eval_iters, config.derived.global_batch_size,

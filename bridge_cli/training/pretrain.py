@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import sys
-import time
 from typing import Iterator
 
 from bridge_cli.training.config import ConfigContainer
@@ -71,7 +70,6 @@ def pretrain(config: ConfigContainer, forward_step_func: ForwardStepCallable) ->
     Exits the process only when the rerun state machine asks.
     """
     from bridge_cli.training.setup import setup
-    from bridge_cli.checkpoint.save import finalize_async_saves
     from bridge_cli.training.train import _run_evaluation, save_checkpoint_and_time, train
     from bridge_cli.logging.training_logger import TrainingLogger
     from bridge_cli.training.utils.train_utils import is_last_rank
@@ -81,22 +79,19 @@ def pretrain(config: ConfigContainer, forward_step_func: ForwardStepCallable) ->
         if is_last_rank():
             print(_describe(state, out.model), flush=True)
             print(out.startup.summary(), flush=True)
-        exit_code, ts, context = 0, state.train_state, out.checkpointing_context
+        exit_code, ts, context, manager = 0, state.train_state, out.checkpointing_context, state.checkpoint_manager
         if config.logger.log_progress and config.checkpoint.save:
-            from bridge_cli.logging.progress_log import append_to_progress_log
-
-            append_to_progress_log(config.checkpoint.save, "Starting job", state.runtime.world_size)
-            context["progress_job_start"] = (time.time(), ts.floating_point_operations_so_far)
+            manager.start_job()
         first_step = ts.step
         if not config.train.skip_train:
             exit_code = train(forward_step_func, out.model, out.optimizer, out.scheduler, out.train_data_iterator,
                               out.valid_data_iterator, state, checkpointing_context=context)
         if exit_code:
             sys.exit(exit_code)
-        if config.checkpoint.save and ts.step > first_step and context.get("last_saved_step") != ts.step:
+        if config.checkpoint.save and ts.step > first_step and manager.last_saved_step != ts.step:
             save_checkpoint_and_time(state, out.model, out.optimizer, out.scheduler,
                                      ts.floating_point_operations_so_far, context, train_data_iterator=out.train_data_iterator)
-        finalize_async_saves(context, blocking=True)
+        manager.finalize(blocking=True)
         if state.train_state.step < config.train.train_iters and not config.train.skip_train:
             return  # exit signal, exit_interval, exit_duration_in_mins: stop now, as Megatron-LM does
         logger = state.training_logger = state.training_logger or TrainingLogger(state, out.model)

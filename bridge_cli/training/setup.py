@@ -24,6 +24,7 @@ class SetupOutput:
     valid_data_iterator: Any
     test_data_iterator: Any
     checkpointing_context: dict
+    """Megatron-Bridge's; bridge keeps its checkpoint state in ``state.checkpoint_manager``."""
     startup: StartupClock
 
 
@@ -72,6 +73,15 @@ def build_model(cfg: ConfigContainer, runtime) -> list:
 
         compile_layers(chunks)
     return chunks
+
+
+def adapter_policy(cfg: ConfigContainer):
+    """How checkpoints of this run's model are saved and loaded when it carries adapters (``peft``), else None."""
+    if cfg.peft is None:
+        return None
+    from bridge_cli.peft.lora import adapter_policy as lora_policy
+
+    return lora_policy(cfg.peft)
 
 
 def build_scheduler(cfg: ConfigContainer, optimizer):
@@ -168,6 +178,7 @@ def setup(state: GlobalState, checkpointing_context: Optional[dict] = None) -> S
     iterators are built, so they start at the consumed samples it restores.
     """
     from bridge_cli.checkpoint.load import load_checkpoint
+    from bridge_cli.checkpoint.manager import CheckpointManager
     from bridge_cli.runtime.ddp import configure_grad_sync, wrap_model
     from bridge_cli.runtime.optimizer import build_optimizer
 
@@ -183,7 +194,13 @@ def setup(state: GlobalState, checkpointing_context: Optional[dict] = None) -> S
     configure_grad_sync(model, optimizer, cfg.dist.align_grad_reduce)
     scheduler = build_scheduler(cfg, optimizer)
     clock.lap("optimizer")
-    load_checkpoint(state, model, optimizer, scheduler)
+    adapters = adapter_policy(cfg)
+    load_checkpoint(state, model, optimizer, scheduler, adapters=adapters)
+    manager = state.checkpoint_manager = CheckpointManager(
+        cfg.checkpoint, model=model, optimizer=optimizer, scheduler=scheduler, train_state=state.train_state,
+        run_record=cfg.run_record(), use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
+        is_cuda=runtime.is_cuda, world_size=runtime.world_size, seq_length=cfg.model.seq_length, adapters=adapters)
+    manager.base_checkpoint = state.base_checkpoint
     clock.lap("checkpoint")
     train_it, valid_it, test_it = build_data_iterators(cfg, state, len(model))
     clock.lap("data")

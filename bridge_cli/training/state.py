@@ -45,3 +45,10 @@ class GlobalState:
     timers: Any = None
     training_logger: Any = None
     """The TrainingLogger train() reports through (console, TensorBoard, W&B); pretrain() closes it."""
+    checkpoint_manager: Any = None
+    """The run's CheckpointManager (bridge_cli.checkpoint.manager), built by setup()."""
+    signal_handler: Any = None
+    """The exit-signal handler train() installs with train.exit_signal_handler (see training.train.ExitSignal)."""
+    base_checkpoint: Optional[str] = None
+    """The base model a run with adapters loaded (checkpoint.pretrained_checkpoint, or the one its
+    adapter checkpoint names); its adapter checkpoints name it in turn."""

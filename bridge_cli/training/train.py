@@ -166,13 +166,13 @@ def disable_forward_pre_hook(model: list, param_sync: bool = True) -> None:
 def save_checkpoint_and_time(state: GlobalState, model: list, optimizer, opt_param_scheduler,
                              num_floating_point_operations_so_far: float, checkpointing_context: dict[str, Any],
                              non_persistent_ckpt: bool = False, train_data_iterator=None) -> None:
-    """Save a checkpoint of the current step (see bridge_cli.checkpoint.save) and print where and how long.
+    """Save a checkpoint of the current step through ``state.checkpoint_manager`` and print where and how long.
 
     ``num_floating_point_operations_so_far`` is what the checkpoint records as the FLOPs so far;
-    the data position is the consumed-sample count, so ``train_data_iterator`` needs no state of its own.
+    the data position is the consumed-sample count, so ``train_data_iterator`` needs no state of its
+    own. The model, optimizer and scheduler are the ones the manager was built with; the signature
+    (``checkpointing_context`` included) is Megatron-Bridge's.
     """
-    from bridge_cli.checkpoint.save import save_checkpoint
-
     ddp = state.cfg.ddp
     toggle_hooks = should_disable_forward_pre_hook(ddp.use_megatron_fsdp, ddp.use_distributed_optimizer,
                                                    ddp.overlap_param_gather)
@@ -180,21 +180,12 @@ def save_checkpoint_and_time(state: GlobalState, model: list, optimizer, opt_par
         disable_forward_pre_hook(model)
     started = time.time()
     state.train_state.floating_point_operations_so_far = num_floating_point_operations_so_far
-    path = save_checkpoint(state, model, optimizer, opt_param_scheduler, checkpointing_context,
-                           non_persistent=non_persistent_ckpt)
+    path = state.checkpoint_manager.save(non_persistent=non_persistent_ckpt)
     if toggle_hooks:
         enable_forward_pre_hook(model)
     kind = "non-persistent checkpoint" if non_persistent_ckpt else "checkpoint"
     how = "started in the background" if state.cfg.checkpoint.async_save else "saved"
     _say(f"{kind} {path} {how} in {time.time() - started:.2f} s")
-    if state.cfg.logger.log_progress and not non_persistent_ckpt and "progress_job_start" in checkpointing_context:
-        from bridge_cli.logging.progress_log import log_saved_checkpoint
-
-        job_start, flops_at_job_start = checkpointing_context["progress_job_start"]
-        ts = state.train_state
-        log_saved_checkpoint(state.cfg.checkpoint.save, ts.step, ts.consumed_train_samples * state.cfg.model.seq_length,
-                             num_floating_point_operations_so_far, flops_at_job_start, job_start,
-                             state.runtime.world_size)
 
 
 def checkpoint_and_decide_exit(state: GlobalState, model: list, optimizer, opt_param_scheduler,
@@ -202,13 +193,11 @@ def checkpoint_and_decide_exit(state: GlobalState, model: list, optimizer, opt_p
                                train_data_iterator=None) -> bool:
     """Save when a checkpoint is due after this step; True when the loop must stop.
 
-    In order: an exit signal (save, stop); the persistent, else the non-persistent, save interval;
-    then ``train.exit_duration_in_mins`` and ``train.exit_interval``, which save first unless this
-    step already did. Saving needs ``checkpoint.save``.
+    In order: an exit signal (save, stop); a save the checkpoint manager finds due (persistent, else
+    non-persistent); then ``train.exit_duration_in_mins`` and ``train.exit_interval``, which save
+    first unless this step already did. Saving needs ``checkpoint.save``.
     """
-    from bridge_cli.checkpoint.save import finalize_async_saves
-
-    cfg, step = state.cfg, state.train_state.step
+    cfg, step, manager = state.cfg, state.train_state.step, state.checkpoint_manager
     ckpt, train_cfg = cfg.checkpoint, cfg.train
     device = state.runtime.device
 
@@ -218,17 +207,14 @@ def checkpoint_and_decide_exit(state: GlobalState, model: list, optimizer, opt_p
                                      checkpointing_context, non_persistent, train_data_iterator)
         return bool(ckpt.save)
 
-    finalize_async_saves(checkpointing_context, blocking=False)
-    exit_signal = checkpointing_context.get("exit_signal")
+    manager.finalize(blocking=False)
+    exit_signal = state.signal_handler
     if exit_signal is not None and _on_any_rank(exit_signal.received, device):
         save()
         _say(f"exiting at iteration {step}: received {signal.Signals(exit_signal.signum).name}")
         return True
-    saved = False
-    if ckpt.save_interval and step % ckpt.save_interval == 0:
-        saved = save()
-    elif ckpt.non_persistent_save_interval and step % ckpt.non_persistent_save_interval == 0:
-        saved = save(non_persistent=True)
+    due = manager.due(step)
+    saved = save(non_persistent=due == "non-persistent") if due else False
     minutes = train_cfg.exit_duration_in_mins
     if minutes and _on_any_rank(time.time() - state.start_time > minutes * 60, device):
         if not saved:
@@ -278,7 +264,7 @@ def train(forward_step_func: ForwardStepCallable, model: list, optimizer, schedu
     profiler = StepProfiler(cfg.profiling, dist.get_rank(), global_state.runtime.is_cuda, cfg.logger.tensorboard_dir)
     exit_code = 0
     if train_cfg.exit_signal_handler:
-        checkpointing_context["exit_signal"] = ExitSignal(train_cfg.exit_signal)
+        global_state.signal_handler = ExitSignal(train_cfg.exit_signal)
     try:
         while ts.step < train_cfg.train_iters:
             update_num_microbatches(ts.consumed_train_samples, consistency_check=False)
@@ -315,6 +301,7 @@ def train(forward_step_func: ForwardStepCallable, model: list, optimizer, schedu
         profiler.close()
         if train_cfg.manual_gc:
             gc.enable()
-        if "exit_signal" in checkpointing_context:
-            checkpointing_context.pop("exit_signal").restore()
+        if global_state.signal_handler is not None:
+            global_state.signal_handler.restore()
+            global_state.signal_handler = None
     return exit_code

@@ -124,10 +124,11 @@ def _worker(root: Path) -> None:
     state.start_time = time.time() - 61
     report("exit_duration_in_mins", 21, decide)
     train.exit_duration_in_mins = None
-    out.checkpointing_context["exit_signal"] = ExitSignal(signal.SIGTERM)
+    state.signal_handler = ExitSignal(signal.SIGTERM)
     os.kill(os.getpid(), signal.SIGTERM)
     report("exit signal", 22, decide)
-    out.checkpointing_context.pop("exit_signal").restore()
+    state.signal_handler.restore()
+    state.signal_handler = None
     ckpt.save, train.exit_interval = None, 23
     report("no checkpoint.save", 23, decide)
 

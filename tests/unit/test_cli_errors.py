@@ -53,10 +53,20 @@ def test_unknown_key_inside_a_recipe_names_the_recipe(cli, tmp_path):
                       "train.train_iters")
 
 
-def test_recipe_without_package_header_is_explained(cli, tmp_path):
-    bad = tmp_path / "nohead.yaml"
-    bad.write_text("train:\n  train_iters: 5\n")
-    assert_user_error(cli("config", "validate", f"recipe={bad}"), "# @package _global_")
+def test_recipe_without_package_header_works(cli, tmp_path):
+    """A user's YAML needs no Hydra header line (issue 15); one naming another package is explained."""
+    from bridge_cli.config.recipes import find
+
+    plain = tmp_path / "nohead.yaml"
+    tiny = find("tiny").path.read_text()
+    plain.write_text(tiny.replace("# @package _global_\n", ""))
+    assert "@package" not in plain.read_text()
+    result = cli("pretrain", f"recipe={plain}", "--dry-run")
+    assert result.exit_code == 0, result.output
+    assert "hidden_size: 128" in result.output and "normalization: RMSNorm" in result.output
+    other = tmp_path / "other.yaml"
+    other.write_text("# @package _group_\ntrain:\n  train_iters: 5\n")
+    assert_user_error(cli("config", "validate", f"recipe={other}"), "another Hydra package", "# @package _global_")
 
 
 def test_pretrain_reports_errors_the_same_way(cli):

@@ -1,0 +1,122 @@
+"""CheckpointManager: when a run saves, and what it keeps between saves.
+
+Built once per run from the checkpoint section and the run's model, optimizer, scheduler and
+progress counters. It decides when a checkpoint is due (``save_interval``, then
+``non_persistent_save_interval``), writes it through :func:`bridge_cli.checkpoint.save.write_checkpoint`,
+and owns the state saving needs across the run: the cached save plan, the async queue, which
+folders had their interrupted saves cleared, the last saved step and the progress log
+(``logger.log_progress``). The loop decides when to stop; the manager only saves.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from bridge_cli.checkpoint import state_dict
+from bridge_cli.checkpoint.adapters import AdapterPolicy
+from bridge_cli.checkpoint.save import save_root, write_checkpoint
+
+
+class CheckpointManager:
+    def __init__(self, cfg, *, model: list, optimizer, scheduler, train_state, run_record: dict[str, Any],
+                 use_distributed_optimizer: bool, is_cuda: bool, world_size: int, seq_length: int,
+                 adapters: Optional[AdapterPolicy] = None):
+        self.cfg = cfg
+        self.model, self.optimizer, self.scheduler, self.train_state = model, optimizer, scheduler, train_state
+        self.run_record = run_record
+        self.metadata = state_dict.content_metadata(use_distributed_optimizer)
+        self.is_cuda, self.world_size, self.seq_length = is_cuda, world_size, seq_length
+        self.adapters = adapters
+        self.base_checkpoint: Optional[str] = None
+        """The base model adapter checkpoints name (set once loading has found it)."""
+        self.last_saved_step: Optional[int] = None
+        """The last step saved to checkpoint.save (non-persistent saves do not count)."""
+        self._strategy = None
+        self._async_queue = None
+        self._cleared: set[Path] = set()
+        self._job_start: Optional[tuple[float, float]] = None
+
+    def due(self, step: int) -> Optional[str]:
+        """'persistent' or 'non-persistent' when ``step`` is a save step, else None."""
+        if not self.cfg.save:
+            return None
+        if self.cfg.save_interval and step % self.cfg.save_interval == 0:
+            return "persistent"
+        if self.cfg.non_persistent_save_interval and step % self.cfg.non_persistent_save_interval == 0:
+            return "non-persistent"
+        return None
+
+    def save(self, non_persistent: bool = False) -> Path:
+        """Save model, optimizer, scheduler, RNG and progress at the current step; returns the folder."""
+        ckpt, step = self.cfg, self.train_state.step
+        root = save_root(ckpt, non_persistent)
+        select = self.adapters.is_adapter_key if self.adapters else None
+        sharded = state_dict.build(self.train_state, self.model, self.optimizer, self.scheduler, metadata=self.metadata,
+                                   optim=ckpt.save_optim and self.optimizer is not None, rng=ckpt.save_rng,
+                                   is_cuda=self.is_cuda, select=select)
+        if self.adapters:
+            sharded["peft"] = self.adapters.entry(self.base_checkpoint)
+        path, request = write_checkpoint(root, step, sharded, self.run_record, content_metadata=self.metadata,
+                                         strategy=self._save_strategy(), async_save=ckpt.async_save,
+                                         keep=1 if non_persistent else ckpt.most_recent_k,
+                                         clear_interrupted=root not in self._cleared)
+        self._cleared.add(root)
+        if request is not None:
+            self._queue().schedule_async_request(request)
+        if not non_persistent:
+            self.last_saved_step = step
+            self._log_saved()
+        return path
+
+    def finalize(self, blocking: bool) -> None:
+        """Publish the async saves that have finished on every rank (all of them when ``blocking``)."""
+        if self._async_queue is None:
+            return
+        self._async_queue.maybe_finalize_async_calls(blocking=blocking)
+        if blocking:
+            self._async_queue.close()
+            self._async_queue = None
+
+    def start_job(self) -> None:
+        """With logger.log_progress: a 'Starting job' line in checkpoint.save/progress.txt."""
+        from bridge_cli.logging.progress_log import append_to_progress_log
+
+        append_to_progress_log(self.cfg.save, "Starting job", self.world_size)
+        self._job_start = (time.time(), self.train_state.floating_point_operations_so_far)
+
+    def _log_saved(self) -> None:
+        if self._job_start is None:
+            return
+        from bridge_cli.logging.progress_log import log_saved_checkpoint
+
+        ts, (job_start, flops_at_job_start) = self.train_state, self._job_start
+        log_saved_checkpoint(self.cfg.save, ts.step, ts.consumed_train_samples * self.seq_length,
+                             ts.floating_point_operations_so_far, flops_at_job_start, job_start, self.world_size)
+
+    def _save_strategy(self):
+        """torch_dist, with the writing spread over data-parallel ranks unless fully_parallel_save is off.
+
+        Kept for the whole run, as Megatron-LM does: with ckpt_assume_constant_structure it caches
+        the save plan of the first save and skips planning afterwards.
+        """
+        if self._strategy is None:
+            from megatron.core import parallel_state as ps
+            from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+            from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+            constant = self.cfg.ckpt_assume_constant_structure
+            strategy = TorchDistSaveShardedStrategy("torch_dist", 1, cached_metadata=constant)
+            if self.cfg.fully_parallel_save and ps.get_data_parallel_world_size(with_context_parallel=True) > 1:
+                strategy = FullyParallelSaveStrategyWrapper(strategy, ps.get_data_parallel_group(with_context_parallel=True),
+                                                            constant)
+            self._strategy = strategy
+        return self._strategy
+
+    def _queue(self):
+        if self._async_queue is None:
+            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+            self._async_queue = AsyncCallsQueue(persistent=self.cfg.use_persistent_ckpt_worker)
+        return self._async_queue
