@@ -345,7 +345,7 @@ def _read(path: Path, what: str, read):
 
 
 def _say(line: str) -> None:
-    from bridge_cli.training.utils.train_utils import is_last_rank
+    from bridge_cli.runtime.collectives import is_last_rank
 
     if is_last_rank():
         print(f"checkpoint: {line}", flush=True)

@@ -26,7 +26,7 @@ def merge(
 ) -> None:
     """Fold adapters into their base model: `bridge peft merge ADAPTERS OUT recipe=NAME`, W + (alpha/dim) B A."""
     from bridge_cli.cli.config_loading import load_config
-    from bridge_cli.peft.merge import merge_adapters
+    from bridge_cli.training.lora_merge import merge_adapters
 
     _, container = load_config(overrides, recipes_dir)
     path = merge_adapters(container, str(adapters), str(output), str(base) if base else None)

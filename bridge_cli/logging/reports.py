@@ -5,6 +5,7 @@ Each returns a dict of TensorBoard-style names to numbers; the caller writes the
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Optional
 
@@ -117,3 +118,8 @@ def calc_params_l2_norm(model: list) -> float:
     squares = squares.to(device)
     dist.all_reduce(squares, group=parallel_state.get_model_parallel_group())
     return float(squares.sqrt().item())
+
+
+def perplexity(loss: float) -> float:
+    """exp(loss), capped at exp(20) so a diverged loss prints a number."""
+    return math.exp(min(loss, 20.0))

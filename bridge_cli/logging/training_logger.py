@@ -47,7 +47,7 @@ def memory_report(when: str, across_pipeline: bool = True) -> str:
     usually peaks highest), a collective over the pipeline group, so only where every rank calls it."""
     from megatron.core import parallel_state
 
-    from bridge_cli.training.utils.train_utils import reduce_max_memory_across_pp_group
+    from bridge_cli.runtime.collectives import reduce_max_memory_across_pp_group
 
     gib = 2 ** 30
     memory = {"allocated": torch.cuda.memory_allocated() / gib, "peak allocated": torch.cuda.max_memory_allocated() / gib,
@@ -64,7 +64,7 @@ class TrainingLogger:
         self.state = global_state
         self.cfg = global_state.cfg
         self.model = model
-        from bridge_cli.training.utils.train_utils import is_last_rank
+        from bridge_cli.runtime.collectives import is_last_rank
 
         self.is_logging_rank = is_last_rank()
         ts = global_state.train_state
@@ -124,7 +124,7 @@ class TrainingLogger:
         memory (max over pipeline stages) each metric-writer interval."""
         from megatron.core import parallel_state
 
-        from bridge_cli.training.utils.train_utils import reduce_max_memory_across_pp_group
+        from bridge_cli.runtime.collectives import reduce_max_memory_across_pp_group
 
         log, collected = self.cfg.logger, {}
         if log_step and self.timers is not None:
@@ -172,7 +172,7 @@ class TrainingLogger:
         self.writer.add_scalars({f"{k} vs samples": values[k] for k in vs_samples if values.get(k) is not None}, samples)
 
     def validation(self, label: str, results: dict[str, float], split: str = "validation") -> None:
-        from bridge_cli.training.utils.train_utils import perplexity
+        from bridge_cli.logging.reports import perplexity
 
         if not results:
             return

@@ -20,7 +20,7 @@ def import_megatron_core(runs_model: bool = True) -> None:
     """Silence megatron-core's known noise. Without ``runs_model``, also import megatron-core now
     (once), its fused kernels compiled at their first call if ever; with it, the command's own
     imports load megatron-core as they reach it."""
-    from bridge_cli.logging.quiet import quiet_known_noise
+    from bridge_cli.runtime.quiet import quiet_known_noise
 
     quiet_known_noise()
     if runs_model or "megatron.core" in sys.modules:

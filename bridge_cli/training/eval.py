@@ -38,7 +38,8 @@ def evaluate_checkpoint(config: ConfigContainer, forward_step_func: ForwardStepC
     from bridge_cli.training.pretrain import run_session
     from bridge_cli.training.setup import adapter_policy, build_data_iterators, build_model, initialize
     from bridge_cli.training.train import evaluate
-    from bridge_cli.training.utils.train_utils import is_last_rank, perplexity
+    from bridge_cli.logging.reports import perplexity
+    from bridge_cli.runtime.collectives import is_last_rank
 
     found = _checkpoint_to_evaluate(config)
     with run_session(config) as state:

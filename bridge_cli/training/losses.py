@@ -1,8 +1,13 @@
-"""Loss functions: masked next-token cross entropy in the token-weighted (loss, tokens, report) form."""
+"""Loss functions (masked next-token cross entropy in the token-weighted (loss, tokens, report) form)
+and the reduction of what they report over micro-batches and data-parallel ranks."""
 
 from __future__ import annotations
 
+import math
+from typing import Optional
+
 import torch
+import torch.distributed as dist
 
 
 def masked_next_token_loss(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -17,3 +22,31 @@ def masked_next_token_loss(loss_mask: torch.Tensor, output_tensor: torch.Tensor)
     num_tokens = mask.sum().to(torch.int)
     report = torch.stack([loss.detach(), num_tokens.detach().float()])
     return loss, num_tokens, {"lm loss": report}
+
+
+def reduce_loss_dict(losses_reduced: list[dict]) -> dict[str, torch.Tensor]:
+    """One value per reported key, over every micro-batch and data-parallel rank; stays on the device.
+
+    A ``[sum, tokens]`` pair (the token-weighted pattern) is summed and divided once, so every
+    token counts the same however the batch is split; a scalar (the ``(loss, dict)`` pattern) is
+    averaged over micro-batches and ranks.
+    """
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    reduced = {}
+    for key in losses_reduced[0]:
+        values = [torch.as_tensor(x[key]).detach().float().view(-1) for x in losses_reduced]
+        if values[0].numel() == 2:
+            total = torch.stack(values).sum(dim=0)
+            dist.all_reduce(total, group=group)
+            reduced[key] = total[0] / total[1].clamp(min=1)
+        else:
+            mean = torch.stack([v.mean() for v in values]).mean()
+            dist.all_reduce(mean, group=group)
+            reduced[key] = mean / dist.get_world_size(group)
+    return reduced
+
+
+def grad_norm_is_finite(grad_norm: Optional[float]) -> bool:
+    return grad_norm is None or math.isfinite(grad_norm)

@@ -72,7 +72,7 @@ def pretrain(config: ConfigContainer, forward_step_func: ForwardStepCallable) ->
     from bridge_cli.training.setup import setup
     from bridge_cli.training.train import _run_evaluation, save_checkpoint_and_time, train
     from bridge_cli.logging.training_logger import TrainingLogger
-    from bridge_cli.training.utils.train_utils import is_last_rank
+    from bridge_cli.runtime.collectives import is_last_rank
 
     with run_session(config) as state:
         out = setup(state, checkpointing_context={})

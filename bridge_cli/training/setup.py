@@ -63,7 +63,7 @@ def build_model(cfg: ConfigContainer, runtime) -> list:
         chunks.append(model)
     if cfg.peft is not None:
         from bridge_cli.peft.lora import apply_lora
-        from bridge_cli.training.utils.train_utils import is_last_rank
+        from bridge_cli.runtime.collectives import is_last_rank
 
         counts = apply_lora(chunks, cfg.peft, cfg.rng.seed)
         if is_last_rank():

@@ -14,15 +14,11 @@ from bridge_cli.logging.timers import timed
 from bridge_cli.logging.training_logger import TrainingDiverged, TrainingLogger
 from bridge_cli.training.forward_step_func_types import ForwardStepCallable
 from bridge_cli.training.profiling import StepProfiler
+from bridge_cli.runtime.collectives import is_last_rank, weights_match_across_dp_replicas
+from bridge_cli.training.losses import grad_norm_is_finite, reduce_loss_dict
 from bridge_cli.training.state import GlobalState
-from bridge_cli.training.utils.train_utils import (
-    grad_norm_is_finite,
-    is_last_rank,
-    num_floating_point_operations,
-    prepare_forward_step_func,
-    reduce_loss_dict,
-    weights_match_across_dp_replicas,
-)
+from bridge_cli.training.state_injection import prepare_forward_step_func
+from bridge_cli.training.utils.train_utils import num_floating_point_operations
 
 
 def train_step(forward_step_func: ForwardStepCallable, data_iterator, model: list, optimizer, scheduler,

@@ -1,25 +1,40 @@
-"""Loss reduction across micro-batches and ranks, the numbers the log line reports, model-parallel
-reductions of logged stats, and forward-step state injection (Megatron-Bridge's train_utils).
+"""Megatron-Bridge's ``train_utils`` import path.
 
-The value-head and MoE-router hooks live in :mod:`bridge_cli.models.model_hooks` and are
-importable from here under the reference's names.
+What lives elsewhere is re-exported here under the reference's names: loss reduction
+(:mod:`bridge_cli.training.losses`), rank checks and model-parallel reductions
+(:mod:`bridge_cli.runtime.collectives`), forward-step state injection
+(:mod:`bridge_cli.training.state_injection`), perplexity (:mod:`bridge_cli.logging.reports`) and the
+value-head and MoE-router hooks (:mod:`bridge_cli.models.model_hooks`). The FLOPs formula is here.
 """
 
 from __future__ import annotations
 
-import math
-from typing import Any, Callable, Optional, Union
+from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 
-from bridge_cli.models.model_hooks import (  # re-exported: the reference's import path
+# re-exported: the reference's import path
+from bridge_cli.logging.reports import perplexity
+from bridge_cli.models.model_hooks import (
     LinearForLastLayer,
     ModelHook,
     ModelList,
     create_value_head_hook,
     freeze_moe_router,
     make_value_model,
+)
+from bridge_cli.runtime.collectives import (
+    is_last_rank,
+    logical_and_across_model_parallel_group,
+    reduce_max_memory_across_pp_group,
+    reduce_max_stat_across_model_parallel_group,
+    weights_match_across_dp_replicas,
+)
+from bridge_cli.training.losses import grad_norm_is_finite, reduce_loss_dict
+from bridge_cli.training.state_injection import (
+    maybe_inject_state,
+    needs_global_state_injection,
+    prepare_forward_step_func,
 )
 
 __all__ = [
@@ -29,30 +44,6 @@ __all__ = [
     "prepare_forward_step_func", "reduce_loss_dict", "reduce_max_memory_across_pp_group",
     "reduce_max_stat_across_model_parallel_group", "weights_match_across_dp_replicas",
 ]
-
-
-def reduce_loss_dict(losses_reduced: list[dict]) -> dict[str, torch.Tensor]:
-    """One value per reported key, over every micro-batch and data-parallel rank; stays on the device.
-
-    A ``[sum, tokens]`` pair (the token-weighted pattern) is summed and divided once, so every
-    token counts the same however the batch is split; a scalar (the ``(loss, dict)`` pattern) is
-    averaged over micro-batches and ranks.
-    """
-    from megatron.core import parallel_state
-
-    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-    reduced = {}
-    for key in losses_reduced[0]:
-        values = [torch.as_tensor(x[key]).detach().float().view(-1) for x in losses_reduced]
-        if values[0].numel() == 2:
-            total = torch.stack(values).sum(dim=0)
-            dist.all_reduce(total, group=group)
-            reduced[key] = total[0] / total[1].clamp(min=1)
-        else:
-            mean = torch.stack([v.mean() for v in values]).mean()
-            dist.all_reduce(mean, group=group)
-            reduced[key] = mean / dist.get_world_size(group)
-    return reduced
 
 
 def num_floating_point_operations(model_cfg, batch_size: int) -> float:
@@ -72,77 +63,6 @@ def num_floating_point_operations(model_cfg, batch_size: int) -> float:
     attention = query * s  # causal: QK^T and AV over half of the s x s scores, x2 for the two products
     per_token = 6 * (layers * (per_token_layer + attention) + h * m.padded_vocab_size)
     return float(per_token * s * batch_size)
-
-
-def perplexity(loss: float) -> float:
-    return math.exp(min(loss, 20.0))
-
-
-def is_last_rank() -> bool:
-    return dist.get_rank() == dist.get_world_size() - 1
-
-
-def grad_norm_is_finite(grad_norm: Optional[float]) -> bool:
-    return grad_norm is None or math.isfinite(grad_norm)
-
-
-def weights_match_across_dp_replicas(model: list, device: torch.device) -> bool:
-    """True when every data-parallel replica holds bitwise the same weights (SHA-256 per parameter).
-
-    megatron-core's check_param_hashes_across_dp_replicas allocates on CUDA; this one runs on
-    the run's device, so the CPU path can check too.
-    """
-    import hashlib
-
-    from megatron.core import parallel_state
-
-    digests = [torch.frombuffer(bytearray(hashlib.sha256(p.detach().float().cpu().numpy().tobytes()).digest()),
-                                dtype=torch.uint8)
-               for chunk in model for p in chunk.parameters()]
-    local = torch.stack(digests).to(device)
-    group = parallel_state.get_data_parallel_group()
-    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(gathered, local, group=group)
-    return all(torch.equal(local, other) for other in gathered)
-
-
-def reduce_max_stat_across_model_parallel_group(stat: Optional[float], mp_group) -> Optional[float]:
-    """The largest ``stat`` over ``mp_group``; ranks without the stat (None) pass; None if all do."""
-    value = torch.tensor([-math.inf if stat is None else float(stat)], dtype=torch.float32,
-                         device=_group_device(mp_group))
-    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=mp_group)
-    result = value.item()
-    return None if result == -math.inf else result
-
-
-def logical_and_across_model_parallel_group(input: bool, mp_group) -> bool:  # noqa: A002  (the reference's name)
-    """True only when ``input`` is true on every rank of ``mp_group``."""
-    value = torch.tensor([int(bool(input))], dtype=torch.int32, device=_group_device(mp_group))
-    dist.all_reduce(value, op=dist.ReduceOp.MIN, group=mp_group)
-    return bool(value.item())
-
-
-def reduce_max_memory_across_pp_group(memory_report: dict[str, Union[int, float]], pp_group) -> dict[str, Union[int, float]]:
-    """Each memory metric's maximum over the pipeline stages, in one all-reduce.
-
-    The first stage usually peaks highest (it holds the most in-flight activations) but only the
-    last rank writes metrics, so without this the logged peak under-reports. Integer counters
-    (``alloc_retries``) stay integers. No-op without a process group, with one stage, or for an
-    empty report.
-    """
-    if not memory_report or not dist.is_initialized() or dist.get_world_size(pp_group) == 1:
-        return memory_report
-    keys = sorted(memory_report)
-    values = torch.tensor([float(memory_report[k]) for k in keys], dtype=torch.float64,
-                          device=_group_device(pp_group))
-    dist.all_reduce(values, op=dist.ReduceOp.MAX, group=pp_group)
-    return {k: int(v) if isinstance(memory_report[k], int) else v for k, v in zip(keys, values.tolist())}
-
-
-def _group_device(group) -> torch.device:
-    """Where a collective on ``group`` must put its tensor: CUDA for NCCL, the host for gloo."""
-    backend = dist.get_backend(group)
-    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
 
 class _MoeMetricFanoutWriter:
@@ -179,34 +99,3 @@ def _build_moe_metric_writer(tb_writer: Optional[Any], comet_logger: Optional[An
     return _MoeMetricFanoutWriter(tb_writer, comet_logger, mlflow_logger)
 
 
-STATE_PARAMETER_NAMES = ("state", "global_state")
-
-
-def needs_global_state_injection(forward_step_func: Callable) -> bool:
-    """True when a parameter is annotated GlobalState, or the first one is named state/global_state."""
-    import inspect
-
-    call = forward_step_func if inspect.isfunction(forward_step_func) or inspect.ismethod(forward_step_func) \
-        else getattr(forward_step_func, "__call__", forward_step_func)
-    params = list(inspect.signature(call).parameters.values())
-    for param in params:
-        annotation = param.annotation
-        name = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", "")
-        if name.strip("\"'").split(".")[-1] == "GlobalState":
-            return True
-    return bool(params) and params[0].name in STATE_PARAMETER_NAMES
-
-
-def maybe_inject_state(forward_step_func: Callable, state, needs_injection: Optional[bool] = None) -> Callable:
-    """``forward_step_func`` with ``state`` bound as its first argument when it expects it."""
-    import functools
-
-    if needs_injection is None:
-        needs_injection = needs_global_state_injection(forward_step_func)
-    return functools.partial(forward_step_func, state) if needs_injection else forward_step_func
-
-
-def prepare_forward_step_func(forward_step_func: Callable, state) -> Callable:
-    """Inspect once and inject once, at the start of train() or evaluate(); the partial sees later
-    changes to ``state`` because it holds a reference, not a copy."""
-    return maybe_inject_state(forward_step_func, state, needs_global_state_injection(forward_step_func))
