@@ -29,7 +29,7 @@ def _describe(state: GlobalState, model: list) -> str:
 def _layout(cfg: ConfigContainer, world_size: int) -> list[str]:
     import os
 
-    from bridge_cli.runtime.layout import parallel_layout
+    from bridge_cli.runtime.parallel_layout import parallel_layout
 
     m = cfg.model
     per_node = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]
