@@ -101,24 +101,21 @@ def _translate(err: Exception, recipe: recipes.Recipe | None) -> ConfigError:
         cause = cause.__cause__ or cause.__context__
     if cause is None:
         return ConfigError(None, text.splitlines()[0])
-    if recipe is not None and str(getattr(cause, "full_key", "")).split(".")[0] == "recipe":
-        return _foreign_package(recipe)
     return _from_omegaconf(cause, source)
 
 
 GLOBAL_PACKAGE = "# @package _global_"
 
 
-def _foreign_package(recipe: recipes.Recipe) -> ConfigError:
-    return ConfigError("recipe", f"{recipe.path} declares another Hydra package than _global_, so its keys would "
-                       "not land at the top level.", f"Delete its '# @package' line (or write '{GLOBAL_PACKAGE}').")
-
-
 def _stage_recipe(recipe: recipes.Recipe, folder: Path) -> None:
     """Put the recipe where Hydra finds it, as a global config: a user's file needs no header line."""
     text = recipe.path.read_text()
-    if "# @package" not in "\n".join(text.splitlines()[:5]):
+    header = re.search(r"^#\s*@package\s+(\S+)", text, flags=re.M)
+    if header is None:
         text = f"{GLOBAL_PACKAGE}\n{text}"
+    elif header.group(1) != "_global_":
+        raise ConfigError("recipe", f"{recipe.path} declares '# @package {header.group(1)}', so its keys would not "
+                          "land at the top level.", f"Delete that line (or write '{GLOBAL_PACKAGE}').")
     (folder / f"{recipe.name}.yaml").write_text(text)
 
 
@@ -143,8 +140,6 @@ def compose(recipe_name: str | None, overrides: list[str], recipes_dirs: list[Pa
                 cfg = hydra_compose("config", overrides=hydra_overrides)
         except (HydraException, OmegaConfBaseException) as err:
             raise _translate(err, recipe) from err
-    if "recipe" in cfg:
-        raise _foreign_package(recipe)
     _reject_unknown_keys(cfg)
     try:
         OmegaConf.resolve(cfg)

@@ -1,5 +1,6 @@
 """Data sections: dataloader, GPT / mock / finetuning datasets, tokenizer."""
 
+import re
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -108,6 +109,9 @@ class GPTDatasetConfig(DataloaderConfig):
                 )
         elif self.blend is not None and self.split is None:
             problems.append(("split", "must be set when blend is set, e.g. '969,30,1'."))
+        if self.split is not None and not _is_split(self.split):
+            problems.append(("split", f"{self.split!r} is not up to three non-negative weights (train,valid,test) "
+                             "with a positive sum, e.g. '969,30,1'."))
         if self.fast_cache_load and self.path_to_cache is None:
             problems.append(("fast_cache_load", "needs path_to_cache."))
         if self.fast_cache_load and self.blend is not None:
@@ -211,3 +215,11 @@ class TokenizerConfig:
 
     trust_remote_code: bool = False
     """Allow a HuggingFace tokenizer to run code shipped with its files."""
+
+
+_SPLIT = re.compile(r"^\s*\d+(\.\d*)?(\s*[,/]\s*\d+(\.\d*)?){0,2}\s*$")
+
+
+def _is_split(split: str) -> bool:
+    """What megatron-core's split parser reads without dropping characters: 1-3 weights, sum > 0."""
+    return bool(_SPLIT.match(split)) and sum(float(w) for w in re.split(r"[,/]", split)) > 0

@@ -155,7 +155,10 @@ def build(section: str, cls: type, values: dict) -> Any:
     megatron-core validates in ``__post_init__`` with asserts and ValueErrors; those become a
     ConfigError naming the section.
     """
+    from bridge_cli.config.ranges import check_values
+
     check_choices(section, cls, values)
+    check_values(section, values)
     kwargs = dict(values)
     for f in schema_fields(cls):
         if f.converter is not None and f.name in kwargs:

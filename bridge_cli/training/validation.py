@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 from bridge_cli.config.errors import ConfigError
 from bridge_cli.config.fields import check_section
+from bridge_cli.config.ranges import check_ranges
 from bridge_cli.config.unsupported import check_unsupported
 from bridge_cli.config.data_configs import FinetuningDatasetConfig
 from bridge_cli.runtime.device_rules import check_device
@@ -77,6 +78,8 @@ def validate_and_derive(cfg, world_size: int, device: str) -> Derived:
             check_section(f.name, value)
     check_unsupported(cfg)
     _check_required(cfg)
+    check_ranges(cfg)
+    _check_exit_signal(cfg.train)
     _check_scheduler_fields_unset(cfg.scheduler)
     _check_precision(cfg)
     _check_rerun_mode(cfg)
@@ -146,9 +149,17 @@ def _check_required(cfg) -> None:
                           "Pick a recipe (bridge recipes list) or set them.")
     if cfg.optimizer.lr is None:
         raise ConfigError("optimizer.lr", "is not set.", "Set optimizer.lr, e.g. optimizer.lr=3e-4.")
-    for key, value in (("logger.log_interval", cfg.logger.log_interval), ("model.seq_length", m.seq_length)):
-        if value is None or value < 1:
-            raise ConfigError(key, f"must be >= 1, got {value}.")
+
+
+def _check_exit_signal(train) -> None:
+    import signal
+
+    if train.exit_signal not in {int(s) for s in signal.valid_signals()}:
+        raise ConfigError("train.exit_signal", f"{train.exit_signal} is not a signal on this system.",
+                          "Use e.g. 15 (SIGTERM) or 10 (SIGUSR1).")
+    if train.exit_signal in (signal.SIGKILL, signal.SIGSTOP):
+        raise ConfigError("train.exit_signal", f"{signal.Signals(train.exit_signal).name} cannot be caught.",
+                          "Use e.g. 15 (SIGTERM) or 10 (SIGUSR1).")
 
 
 def _check_scheduler_fields_unset(scheduler) -> None:

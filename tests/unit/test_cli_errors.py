@@ -66,7 +66,7 @@ def test_recipe_without_package_header_works(cli, tmp_path):
     assert "hidden_size: 128" in result.output and "normalization: RMSNorm" in result.output
     other = tmp_path / "other.yaml"
     other.write_text("# @package _group_\ntrain:\n  train_iters: 5\n")
-    assert_user_error(cli("config", "validate", f"recipe={other}"), "another Hydra package", "# @package _global_")
+    assert_user_error(cli("config", "validate", f"recipe={other}"), "declares '# @package _group_'", "# @package _global_")
 
 
 def test_pretrain_reports_errors_the_same_way(cli):

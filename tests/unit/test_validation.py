@@ -8,7 +8,7 @@ from tests.unit.test_cli_errors import assert_user_error
 
 REFUSED = [
     (["model.num_attention_heads=5"], ["model.num_query_groups", "does not divide model.num_attention_heads (5)"]),
-    (["logger.log_interval=0"], ["logger.log_interval", "must be >= 1"]),
+    (["logger.log_interval=0"], ["logger.log_interval", "must be a finite number >= 1"]),
     (["rerun_state_machine.rerun_mode=validate_results"], ["rerun_state_machine.rerun_mode"]),
     (["model.num_layers=3", "model.pipeline_model_parallel_size=2", "--world-size", "2"],
      ["model.num_layers", "3 layers do not split evenly into 2 pipeline stages"]),
@@ -56,3 +56,29 @@ def test_validation_never_writes_the_config():
     assert derived.lr_decay_steps == cfg.train.train_iters * 8
     with pytest.raises(Exception):
         derived.world_size = 4  # frozen
+
+
+# Issue 22's values that passed validation and crashed, hung or trained silently later.
+OUT_OF_RANGE = [
+    ("optimizer.lr=nan", "optimizer.lr: must be a finite number >= 0, got nan"),
+    ("optimizer.lr=inf", "optimizer.lr: must be a finite number"),
+    ("optimizer.lr=-1e-3", "optimizer.lr: must be a finite number >= 0"),
+    ("optimizer.adam_beta1=1.5", "optimizer.adam_beta1: must be a finite number >= 0 and < 1"),
+    ("model.num_attention_heads=0", "model.num_attention_heads: must be a finite number >= 1"),
+    ("model.hidden_dropout=2.0", "model.hidden_dropout: must be a finite number >= 0 and <= 1"),
+    ("train.global_batch_size=0", "train.global_batch_size: must be a finite number >= 1"),
+    ("dataset.num_workers=-1", "dataset.num_workers: must be a finite number >= 0"),
+    ("rng.seed=-1", "rng.seed: must be a finite number >= 0"),
+    ("train.exit_signal=99", "train.exit_signal: 99 is not a signal"),
+    ("train.exit_signal=9", "SIGKILL cannot be caught"),
+    ("model.seq_length=0", "model.seq_length: must be a finite number >= 1"),
+    ("train.train_iters=100000000000", "train.train_iters: must be a finite number >= 1 and <= 1e+10"),
+    ("dataset.split='-1,1,1'", "dataset.split: '-1,1,1' is not up to three non-negative weights"),
+    ("dataset.split='abc'", "dataset.split: 'abc' is not"),
+    ("dataset.split='90,8,2,5'", "dataset.split: '90,8,2,5' is not"),
+]
+
+
+@pytest.mark.parametrize("override, fragment", OUT_OF_RANGE)
+def test_out_of_range_values_are_refused_before_any_work(cli, override, fragment):
+    assert_user_error(cli("config", "validate", "recipe=tiny", override), fragment)
