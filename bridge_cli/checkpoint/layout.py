@@ -74,7 +74,7 @@ def read_tracker(root: Path) -> Optional[str]:
     tracker = Path(root) / TRACKER
     if not tracker.is_file():
         return None
-    text = tracker.read_text().strip()
+    text = tracker.read_bytes().decode("utf-8", errors="replace").strip()
     if text != RELEASE and not text.isdigit():
         raise CheckpointError(f"{tracker}: expected an iteration number or 'release', found {text[:40]!r}. "
                               "Fix or delete the file (the newest iter_* folder is then used).")
@@ -162,6 +162,9 @@ def find_checkpoint(root: Path, step: Optional[int] = None) -> Found:
     not there and for a folder that is not a checkpoint directory.
     """
     root = Path(root)
+    if root.is_file():
+        raise CheckpointError(f"{root} is a file; a checkpoint is a folder (the one `bridge pretrain "
+                              "checkpoint.save=DIR` wrote, or one iter_* folder in it).")
     notes = [f"ignoring {p}: a save was interrupted before it finished (it is deleted by the next save)."
              for p in incomplete_dirs(root)]
     if is_complete(root):

@@ -48,8 +48,8 @@ def resolve_resume(ckpt_cfg, mode: str) -> tuple[Optional[str], list[str]]:
     Returns the folder to use as ``checkpoint.load`` (None: leave it as it is) and the lines to tell
     the user (nothing for ``never``). Called while the config is built, before validation.
     """
-    if mode != "auto" or ckpt_cfg.load is not None or ckpt_cfg.save is None:
-        return None, []
+    if mode != "auto" or ckpt_cfg.load is not None or ckpt_cfg.save is None or Path(ckpt_cfg.save).is_file():
+        return None, []  # (a file there is validation's to report)
     found = layout.find_checkpoint(Path(ckpt_cfg.save))
     if found.path is None and not _newer_non_persistent(ckpt_cfg, Path(ckpt_cfg.save), -1):
         return None, [f"resume: {note}" for note in found.notes] + [

@@ -20,6 +20,7 @@ from bridge_cli.config.ranges import check_ranges
 from bridge_cli.config.unsupported import check_unsupported
 from bridge_cli.config.data_configs import FinetuningDatasetConfig
 from bridge_cli.runtime.device_rules import check_device
+from bridge_cli.runtime.output_paths import check_output_folders
 
 SCHEDULER_STEP_FIELDS = ("lr_warmup_steps", "lr_decay_steps", "wd_incr_steps", "wsd_decay_steps")
 """SchedulerConfig fields the reference derives; here they are in Derived and refused when set."""
@@ -90,6 +91,10 @@ def validate_and_derive(cfg, world_size: int, device: str) -> Derived:
     global_batch, microbatches = _batches(cfg.train, dp)
     _check_gradient_norm_logging(cfg, dp)
     _check_sequence_length(cfg)
+    ckpt = cfg.checkpoint
+    check_output_folders([("checkpoint.save", ckpt.save), ("logger.tensorboard_dir", cfg.logger.tensorboard_dir),
+                          ("logger.wandb_save_dir", cfg.logger.wandb_save_dir),
+                          ("checkpoint.non_persistent_global_ckpt_dir", ckpt.non_persistent_global_ckpt_dir)])
     steps = _scheduler_steps(cfg.scheduler, global_batch, cfg.train.train_iters)
     model = _run_model(cfg.model, vocab_size, device)
     return Derived(world_size=world_size, device=device, data_parallel_size=dp, num_microbatches=microbatches,

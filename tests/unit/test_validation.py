@@ -82,3 +82,18 @@ OUT_OF_RANGE = [
 @pytest.mark.parametrize("override, fragment", OUT_OF_RANGE)
 def test_out_of_range_values_are_refused_before_any_work(cli, override, fragment):
     assert_user_error(cli("config", "validate", "recipe=tiny", override), fragment)
+
+
+def test_output_folders_are_checked_before_any_work(cli, tmp_path):
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    assert_user_error(cli("pretrain", "recipe=tiny", f"checkpoint.save={a_file}"),
+                      f"checkpoint.save: {a_file} is a file, not a folder")
+    assert_user_error(cli("config", "validate", "recipe=tiny", f"logger.tensorboard_dir={a_file}/tb"),
+                      f"logger.tensorboard_dir: {a_file}/tb cannot be created: {a_file} is a file")
+    assert_user_error(cli("pretrain", "recipe=tiny", f"checkpoint.load={a_file}"), f"{a_file} is a file")
+    garbage = tmp_path / "ckpt"
+    garbage.mkdir()
+    (garbage / "latest_checkpointed_iteration.txt").write_bytes(b"\x00\xff\xfe")
+    assert_user_error(cli("pretrain", "recipe=tiny", f"checkpoint.load={garbage}"),
+                      "latest_checkpointed_iteration.txt: expected an iteration number")
