@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import signal
+import sys
 import time
 from typing import Any, Callable, Optional
 
@@ -129,18 +130,32 @@ def _on_any_rank(flag: bool, device: torch.device) -> bool:
 
 
 class ExitSignal:
-    """Remembers that ``train.exit_signal`` arrived; the loop finishes the step, saves and stops."""
+    """Remembers which of ``signums`` arrived first; the loop finishes the step, saves and stops.
 
-    def __init__(self, signum: int):
-        self.signum = signum
-        self.received = False
-        self._previous = signal.signal(signum, self._handle)
+    Ctrl-C (SIGINT) among them says so; a second Ctrl-C exits at once (KeyboardInterrupt).
+    """
+
+    def __init__(self, *signums: int):
+        self.signum: Optional[int] = None
+        """The signal received, None until one arrives."""
+        self._previous = {signum: signal.signal(signum, self._handle) for signum in dict.fromkeys(signums)}
+
+    @property
+    def received(self) -> bool:
+        return self.signum is not None
 
     def _handle(self, signum, frame) -> None:
-        self.received = True
+        if signum == signal.SIGINT and self.received:
+            self.restore()
+            raise KeyboardInterrupt
+        self.signum = self.signum or signum
+        if signum == signal.SIGINT and is_last_rank():
+            print("\nCtrl-C: finishing this iteration, saving a checkpoint, then exiting "
+                  "(Ctrl-C again exits at once, without saving).", file=sys.stderr, flush=True)
 
     def restore(self) -> None:
-        signal.signal(self.signum, self._previous)
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
 
 
 def should_disable_forward_pre_hook(use_megatron_fsdp: bool, use_distributed_optimizer: bool,
@@ -259,8 +274,10 @@ def train(forward_step_func: ForwardStepCallable, model: list, optimizer, schedu
     logger = global_state.training_logger = global_state.training_logger or TrainingLogger(global_state, model)
     profiler = StepProfiler(cfg.profiling, dist.get_rank(), global_state.runtime.is_cuda, cfg.logger.tensorboard_dir)
     exit_code = 0
-    if train_cfg.exit_signal_handler:
-        global_state.signal_handler = ExitSignal(train_cfg.exit_signal)
+    watched = ([train_cfg.exit_signal] if train_cfg.exit_signal_handler else []) + \
+        ([signal.SIGINT] if cfg.checkpoint.save else [])  # Ctrl-C saves when there is somewhere to save
+    if watched:
+        global_state.signal_handler = ExitSignal(*watched)
     try:
         while ts.step < train_cfg.train_iters:
             update_num_microbatches(ts.consumed_train_samples, consistency_check=False)
