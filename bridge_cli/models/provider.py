@@ -65,8 +65,7 @@ class GPTModelProvider(TransformerConfig):
 
     def provide(self, pre_process: bool = True, post_process: bool = True, vp_stage: Optional[int] = None):
         """Build one megatron-core GPTModel (one pipeline stage) from this config."""
-        from megatron.core.models.gpt import GPTModel
-
+        from bridge_cli.models.gpt_model import GPTModel
         from bridge_cli.models.specs import default_spec_name, layer_spec
 
         kwargs = {"vp_stage": vp_stage} if vp_stage is not None else {}
