@@ -56,7 +56,10 @@ def block_mask(documents: Optional[torch.Tensor], window: Optional[int], seq: in
     from torch.nn.attention.flex_attention import create_block_mask
 
     rows = None if documents is None else documents.shape[0]
-    return create_block_mask(_mask_mod(documents, window), B=rows, H=None, Q_LEN=seq, KV_LEN=seq, device=device)
+    # Compiled on the GPU: eager, evaluating the rule over every (query, key) pair costs milliseconds
+    # of host time per micro-batch, in a loop that is host-bound already.
+    return create_block_mask(_mask_mod(documents, window), B=rows, H=None, Q_LEN=seq, KV_LEN=seq, device=device,
+                             _compile=torch.device(device).type == "cuda")
 
 
 def _mask_mod(documents: Optional[torch.Tensor], window: Optional[int]):
