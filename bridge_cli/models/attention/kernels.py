@@ -18,7 +18,8 @@ import torch.nn.functional as F
 
 def flex(q, k, v, mask, scale: float, sinks: Optional[torch.Tensor]) -> torch.Tensor:
     """FlexAttention with a ``BlockMask``: compiled on the GPU, torch's reference on the CPU."""
-    kernel = _compiled_flex() if q.is_cuda else _flex_attention()
+    # Inside a compiled layer (model.compile_layers) the layer's own compilation takes the plain function.
+    kernel = _compiled_flex() if q.is_cuda and not torch.compiler.is_compiling() else _flex_attention()
     gqa = q.shape[1] != k.shape[1]
     if sinks is None:
         return kernel(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa)

@@ -59,7 +59,7 @@ def block_mask(documents: Optional[torch.Tensor], window: Optional[int], seq: in
     # Compiled on the GPU: eager, evaluating the rule over every (query, key) pair costs milliseconds
     # of host time per micro-batch, in a loop that is host-bound already.
     return create_block_mask(_mask_mod(documents, window), B=rows, H=None, Q_LEN=seq, KV_LEN=seq, device=device,
-                             _compile=torch.device(device).type == "cuda")
+                             _compile=torch.device(device).type == "cuda" and not torch.compiler.is_compiling())
 
 
 def _mask_mod(documents: Optional[torch.Tensor], window: Optional[int]):
