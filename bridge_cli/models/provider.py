@@ -14,7 +14,7 @@ class GPTModelProvider(TransformerConfig):
     """Every megatron-core TransformerConfig field, plus the GPTModel constructor's arguments."""
 
     spec: Optional[str] = None
-    """Layer spec: te (Transformer Engine), local (megatron-core's own) or torch (SDPA); None picks te if importable, else torch."""
+    """Layer spec: te (Transformer Engine), local (megatron-core's own) or torch (SDPA / FlexAttention); None picks te if importable, else torch."""
 
     vocab_size: Optional[int] = None
     """Tokenizer vocabulary size before padding; the mock dataset and the null tokenizer use it too."""
@@ -53,7 +53,7 @@ class GPTModelProvider(TransformerConfig):
     """Keep the logits split across tensor-parallel ranks (the vocab-parallel loss needs this)."""
 
     sdpa_backend: Literal["auto", "flash", "cudnn", "efficient", "math"] = "auto"
-    """Attention kernel of the torch spec: auto (torch picks per call) or only flash, cudnn, efficient or math."""
+    """SDPA kernel of the torch spec's causal layers: auto (torch picks per call) or only flash, cudnn, efficient or math."""
 
     compile_layers: bool = False
     """torch.compile each transformer layer in place (all share one graph) and the language-model loss."""
