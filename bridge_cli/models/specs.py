@@ -58,11 +58,10 @@ def layer_spec(name: str, config: TransformerConfig) -> ModuleSpec:
             )
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(**options)
     if name in ("local", "torch"):
-        if config.context_parallel_size > 1:
+        if config.context_parallel_size > 1 and name == "local":
             raise RuntimeUnavailable(
-                f"model.context_parallel_size={config.context_parallel_size} needs Transformer Engine's attention; "
-                f"the {name} layer spec has none. Use model.spec=te (needs transformer_engine) or "
-                "model.context_parallel_size=1.")
+                f"model.context_parallel_size={config.context_parallel_size} needs Transformer Engine's attention or "
+                "the torch spec's; the local layer spec has neither. Use model.spec=torch or model.spec=te.")
         spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization=config.normalization, **options)
         _check_sequence_parallel(name, spec, config)
         if name == "torch":

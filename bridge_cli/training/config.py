@@ -37,7 +37,7 @@ from bridge_cli.config.runtime_configs import (
     RNGConfig,
     StragglerDetectionConfig,
 )
-from bridge_cli.models.attention.config_checks import check_document_attention
+from bridge_cli.models.attention.config_checks import check_attention
 from bridge_cli.models.provider import GPTModelProvider
 from bridge_cli.runtime.optimizer_config import OptimizerConfig
 
@@ -158,7 +158,7 @@ class ConfigContainer:
         self._derive_batches()
         self._check_gradient_norm_logging()
         self._check_sequence_length()
-        check_document_attention(self)
+        check_attention(self)
         self._derive_scheduler_steps()
 
     def _derive_vocab_size(self) -> None:

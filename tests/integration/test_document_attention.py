@@ -1,4 +1,4 @@
-"""`bridge pretrain` with per-document masks, sliding windows and sinks, through the real CLI."""
+"""`bridge pretrain` with per-document masks, sliding windows, sinks and context parallelism, through the real CLI."""
 
 from __future__ import annotations
 
@@ -39,12 +39,29 @@ def test_reset_attention_mask_changes_what_the_model_sees(corpus):
     assert abs(crossing_curve[0] - masked_curve[0]) > 1e-4, (crossing_curve, masked_curve)
 
 
-def test_two_tensor_parallel_ranks_match_one_with_documents_windows_and_sinks(corpus):
-    layout = [*run_args(corpus), *DOCUMENTS, *WINDOWS, "model.softmax_type=off-by-one"]
-    one = bridge("pretrain", *layout)
-    two = torchrun(2, "pretrain", *layout, "model.tensor_model_parallel_size=2", env={"OMP_NUM_THREADS": "1"})
+@pytest.fixture(scope="module")
+def one_process_curve(corpus) -> list[float]:
+    result = bridge("pretrain", *run_args(corpus), *DOCUMENTS, *WINDOWS, "model.softmax_type=off-by-one")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return losses(result.stdout)
+
+
+@pytest.mark.parametrize("layout", ["model.tensor_model_parallel_size=2", "model.context_parallel_size=2"],
+                         ids=["tp2", "cp2"])
+def test_two_ranks_match_one_process_with_documents_windows_and_sinks(corpus, one_process_curve, layout):
+    """Context parallelism: each rank holds half of every row and all-gathers the keys and values."""
+    result = torchrun(2, "pretrain", *run_args(corpus), *DOCUMENTS, *WINDOWS, "model.softmax_type=off-by-one", layout,
+                      env={"OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert losses(result.stdout) == pytest.approx(one_process_curve, rel=1e-5)
+
+
+def test_context_parallel_causal_matches_one_process(corpus):
+    """Plain causal layers under context parallelism (RoPE cut by megatron-core, mask by row places)."""
+    one = bridge("pretrain", *run_args(corpus))
+    two = torchrun(2, "pretrain", *run_args(corpus), "model.context_parallel_size=2", env={"OMP_NUM_THREADS": "1"})
     assert one.returncode == 0 and two.returncode == 0, one.stderr[-2000:] + two.stderr[-2000:]
-    assert losses(two.stdout) == pytest.approx(losses(one.stdout), rel=1e-4)
+    assert losses(two.stdout) == pytest.approx(losses(one.stdout), rel=1e-5)
 
 
 def test_learnable_sinks_reshard_across_tensor_parallel_sizes(corpus, tmp_path):

@@ -17,7 +17,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from bridge_cli.data.documents import documents_from_eod
 from bridge_cli.models.attention import kernels
 from bridge_cli.models.attention.core import TorchAttention
-from bridge_cli.models.attention.masks import build_mask, document_params, layer_window
+from bridge_cli.models.attention.masks import MaskInputs, build_mask, document_params, layer_window
 from bridge_cli.models.provider import GPTModelProvider
 
 HEADS, GROUPS, DIM = 4, 2, 16
@@ -149,8 +149,9 @@ def test_flex_path_matches_the_cpu_path(window, with_sinks):
     q, k, v = (t.detach().permute(1, 2, 0, 3) for t in inputs())
     documents = document_ids()
     sinks = torch.randn(HEADS) if with_sinks else None
-    dense = kernels.dense(q, k, v, build_mask(documents, window, SEQ, "cpu", flex=False), 0.25, sinks, 0.0)
-    flex = kernels.flex(q, k, v, build_mask(documents, window, SEQ, "cpu", flex=True), 0.25, sinks)
+    tokens = MaskInputs(SEQ, SEQ, torch.device("cpu"), documents, documents)
+    dense = kernels.dense(q, k, v, build_mask(tokens, window, flex=False), 0.25, sinks, 0.0)
+    flex = kernels.flex(q, k, v, build_mask(tokens, window, flex=True), 0.25, sinks)
     torch.testing.assert_close(flex, dense, rtol=1e-5, atol=1e-5)
 
 

@@ -12,6 +12,10 @@ Two paths, chosen per call:
   with a block mask on the GPU; SDPA with a boolean mask (the explicit softmax with sinks) on the
   CPU and wherever attention dropout is on, which FlexAttention lacks. Same numbers on both.
 
+Under context parallelism (``model.context_parallel_size``) every layer takes the masked path:
+this rank's queries against the keys and values all-gathered over the CP group
+(:mod:`~bridge_cli.models.attention.context_parallel`), masked by the tokens' places in the row.
+
 It is tensor-parallel by construction: ``linear_qkv`` has already split the heads, so inputs are
 ``[s, b, heads, d]`` with this rank's heads, and head counts are read from them (which also covers
 MLA's distinct value head size). Its one parameter is the learnable sink logit per head,
@@ -31,8 +35,9 @@ from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 from torch.nn.attention import sdpa_kernel
 
 from bridge_cli.models.attention import kernels
-from bridge_cli.models.attention.masks import (DocumentParams, dense_mask, documents_from_cu_seqlens, build_mask,
-                                               layer_window, shape_mask)
+from bridge_cli.models.attention.context_parallel import gather_sequence
+from bridge_cli.models.attention.masks import (DocumentParams, MaskInputs, build_mask, dense_mask,
+                                               documents_from_cu_seqlens, layer_window, shape_mask)
 from bridge_cli.models.attention.sdpa_backend import BACKENDS, SDPA_HAS_GQA, check_backend, heads_per_rank
 from bridge_cli.runtime.errors import RuntimeUnavailable
 
@@ -68,6 +73,8 @@ class TorchAttention(MegatronModule):
         if self.backends:
             check_backend(backend, config.params_dtype, self.dropout_p > 0, *heads_per_rank(config), config.kv_channels)
         self.tp_group = getattr(pg_collection, "tp", None)
+        self.cp_group = _context_parallel_group(pg_collection, config)
+        self.cp_size = 1 if self.cp_group is None else torch.distributed.get_world_size(self.cp_group)
         self.softmax_type = getattr(config, "softmax_type", "vanilla")
         self._init_sinks(config)
 
@@ -103,9 +110,14 @@ class TorchAttention(MegatronModule):
         thd = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
         if thd:  # one row of all the batch's tokens
             query, key, value = (t.unsqueeze(1) for t in (query, key, value))
+        if self.cp_size > 1:
+            if thd or attention_mask is not None:
+                raise RuntimeUnavailable("context parallelism in the torch layer spec takes neither THD packed "
+                                         "sequences nor a dense attention mask; pass document ids instead.")
+            key, value = (gather_sequence(t, self.cp_group) for t in (key, value))
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         mask_type = attn_mask_type or self.attn_mask_type
-        if packed_seq_params is None and self.window is None and self.softmax_offset is None:
+        if packed_seq_params is None and self.window is None and self.softmax_offset is None and self.cp_size == 1:
             out = self._sdpa(q, k, v, mask_type, attention_mask)
         else:
             out = self._masked(q, k, v, mask_type, attention_mask, packed_seq_params, thd)
@@ -149,11 +161,13 @@ class TorchAttention(MegatronModule):
         elif thd:
             cu_seqlens = packed_seq_params.cu_seqlens_q_padded
             cu_seqlens = packed_seq_params.cu_seqlens_q if cu_seqlens is None else cu_seqlens
-            mask = build_mask(documents_from_cu_seqlens(cu_seqlens, seq), self.window, seq, q.device, flex)
+            documents = documents_from_cu_seqlens(cu_seqlens, seq)
+            mask = build_mask(MaskInputs(seq, seq, q.device, documents, documents), self.window, flex)
         elif attention_mask is not None:  # megatron-core's dataset mask, True = masked out
-            mask = ~attention_mask & dense_mask(None, self.window, seq, q.device)
+            mask = ~attention_mask & dense_mask(MaskInputs(seq, seq, q.device), self.window)
         else:
-            mask = shape_mask(self.window, seq, q.device, flex)
+            cp_rank = torch.distributed.get_rank(self.cp_group) if self.cp_size > 1 else 0
+            mask = shape_mask(self.window, seq, q.device, flex, self.cp_size, cp_rank)
         if flex:
             return kernels.flex(q, k, v, mask, self.softmax_scale, self.softmax_offset)
         return kernels.dense(q, k, v, mask, self.softmax_scale, self.softmax_offset, dropout_p)
@@ -178,6 +192,19 @@ def _sdpa_mask(mask_type: AttnMaskType, attention_mask, q: torch.Tensor, k: torc
     if causal:
         keep = keep & torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
     return keep, False
+
+
+def _context_parallel_group(pg_collection, config):
+    """The layer's context-parallel group (megatron-core 0.19 hands it over; 0.16 keeps it in
+    parallel_state), or None without context parallelism."""
+    if config.context_parallel_size == 1:
+        return None
+    group = getattr(pg_collection, "cp", None)
+    if group is None:
+        from megatron.core import parallel_state
+
+        group = parallel_state.get_context_parallel_group()
+    return group
 
 
 def _check_supported(config) -> None:
