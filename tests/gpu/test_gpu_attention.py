@@ -65,3 +65,19 @@ def test_pretraining_with_document_masks_trains(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     losses = [float(x) for x in re.findall(r"lm loss ([0-9.]+)", result.stdout)]
     assert len(losses) >= 2 and losses[-1] < losses[0], result.stdout[-2000:]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_context_parallel_on_two_gpus_follows_one(tmp_path):
+    """CP=2 without Transformer Engine (NCCL all-gather of keys and values, FlexAttention with the row
+    places) follows the one-GPU loss curve, with per-document masks and a sliding window."""
+    from tests.conftest import torchrun
+    from tests.integration.test_pretrain_cpu import losses
+
+    args = ["recipe=tiny", "model.spec=torch", "train.train_iters=10", "logger.log_interval=1", "train.eval_iters=0",
+            "dataset.reset_attention_mask=true", "dataset.reset_position_ids=true", "model.window_size=[16,0]",
+            "model.window_attn_skip_freq=2"]
+    one = bridge("pretrain", *args)
+    two = torchrun(2, "pretrain", *args, "model.context_parallel_size=2")
+    assert one.returncode == 0 and two.returncode == 0, one.stderr[-2000:] + two.stderr[-2000:]
+    assert losses(two.stdout) == pytest.approx(losses(one.stdout), rel=1e-3)
