@@ -11,7 +11,9 @@ On the GPU a mask is a FlexAttention ``BlockMask``: blocks that no query of a ti
 skipped, so eight documents in a row cost less than one. Elsewhere it is a dense boolean
 ``[b, 1, s, s]`` (``True`` = attend) for SDPA or the explicit softmax. A batch's masks are built once,
 by the first layer that needs each window, and kept on the batch's :class:`DocumentParams`, the one
-object megatron-core hands unchanged to every layer (in the recomputed forward too).
+object megatron-core hands unchanged to every layer (in the recomputed forward too). Under context
+parallelism the queries are this rank's part of the row and the keys the whole row in rank order,
+so the rule compares the tokens' places in the row (:class:`MaskInputs`), not their indices.
 """
 
 from __future__ import annotations

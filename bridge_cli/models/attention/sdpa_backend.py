@@ -26,6 +26,7 @@ BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTEN
 
 
 def heads_per_rank(config) -> tuple[int, int]:
+    """Query heads and key/value groups of one tensor-parallel rank."""
     tp = config.tensor_model_parallel_size
     return config.num_attention_heads // tp, (config.num_query_groups or config.num_attention_heads) // tp
 
