@@ -85,6 +85,8 @@ class SchemaField:
     default: Any
     choices: Optional[tuple] = None
     converter: Optional[_Converter] = None
+    shape: Optional[str] = None
+    """``tuple``: a YAML list that megatron-core takes as a tuple; ``item-or-list``: a primitive or a list of them."""
 
 
 def _schema_field(f: dataclasses.Field, tp: Any) -> Optional[SchemaField]:
@@ -115,6 +117,18 @@ def _schema_field(f: dataclasses.Field, tp: Any) -> Optional[SchemaField]:
         (item,) = typing.get_args(inner) or (None,)
         if item in _PRIMITIVES and (default is None or isinstance(default, list)):
             return SchemaField(f.name, wrap(typing.List[item]), default)
+    if typing.get_origin(inner) is tuple:  # e.g. window_size: Tuple[int, int]
+        items = set(typing.get_args(inner)) - {Ellipsis}
+        if len(items) == 1 and items <= set(_PRIMITIVES):
+            return SchemaField(f.name, wrap(typing.List[items.pop()]), None if default is None else list(default),
+                               shape="tuple")
+    if typing.get_origin(inner) in (typing.Union, types.UnionType):  # e.g. window_attn_skip_freq: int | List[int]
+        # OmegaConf has no such union: YAML holds any value, checked against the two forms in build()
+        args = [a for a in typing.get_args(inner) if a is not type(None)]
+        items = [a for a in args if a in _PRIMITIVES]
+        lists = [a for a in args if typing.get_origin(a) in (list, typing.List) and typing.get_args(a) == tuple(items)]
+        if len(items) == 1 and len(lists) == 1 and len(args) == 2:
+            return SchemaField(f.name, Any, default, shape="item-or-list")
     return None
 
 
@@ -163,10 +177,22 @@ def build(section: str, cls: type, values: dict) -> Any:
     for f in schema_fields(cls):
         if f.converter is not None and f.name in kwargs:
             kwargs[f.name] = f.converter.from_name(f"{section}.{f.name}", kwargs[f.name])
+        elif f.shape and kwargs.get(f.name) is not None:
+            kwargs[f.name] = _shaped(f"{section}.{f.name}", f.shape, kwargs[f.name])
     try:
         return cls(**kwargs)
     except (AssertionError, ValueError, TypeError) as err:
         raise ConfigError(section, f"megatron-core rejected this {cls.__name__}: {err or 'assertion failed'}.") from err
+
+
+def _shaped(key: str, shape: str, value: Any) -> Any:
+    """A YAML value of a tuple or item-or-list field, as megatron-core takes it."""
+    if shape == "tuple":
+        return tuple(value)
+    if isinstance(value, _PRIMITIVES) or (isinstance(value, list) and all(isinstance(v, _PRIMITIVES) for v in value)):
+        return value
+    raise ConfigError(key, f"{value!r} is neither one value nor a list of values.",
+                      f"Write e.g. {key}=4 or {key}=[1,1,1,0].")
 
 
 def to_yaml_values(section: str, cls: type, obj: Any) -> dict:
@@ -174,7 +200,7 @@ def to_yaml_values(section: str, cls: type, obj: Any) -> dict:
     out = {}
     for f in schema_fields(cls):
         value = getattr(obj, f.name)
-        out[f.name] = f.converter.to_name(value) if f.converter else value
+        out[f.name] = f.converter.to_name(value) if f.converter else list(value) if isinstance(value, tuple) else value
     return out
 
 

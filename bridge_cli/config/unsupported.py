@@ -48,9 +48,6 @@ UNSUPPORTED: dict[str, str] = {
     "dataset.multiple_validation_sets": "validation reads one blended validation split.",
     "dataset.full_validation": "validation reads train.eval_iters batches.",
     "dataset.memmap_workers": "bridge tokenizes the JSONL files in one pass, without memmap workers.",
-    "dataset.reset_attention_mask": "the attention of bridge's layer specs ignores per-document masks (documents "
-                                    "packed in one sequence attend to each other).",
-    "dataset.reset_position_ids": "RoPE positions run over the whole sequence in bridge's layer specs.",
 }
 """Full key (or a whole section) -> why it is not supported."""
 

@@ -94,7 +94,12 @@ def build_datasets(cfg, tokenizer, sizes: Optional[list[int]] = None) -> list:
         mcore_config.split_matrix = [bounds if size else None for bounds, size in zip(mcore_config.split_matrix, sizes)]
     if mcore_config.blend is not None:
         _check_splits_have_documents(mcore_config, sizes)
-    return BlendedMegatronDatasetBuilder(cls, sizes, lambda: True, mcore_config).build()
+    datasets = BlendedMegatronDatasetBuilder(cls, sizes, lambda: True, mcore_config).build()
+    if cfg.dataset.reset_attention_mask:
+        from bridge_cli.data.documents import WithDocumentIds
+
+        datasets = [WithDocumentIds(d, tokenizer) if d is not None else None for d in datasets]
+    return datasets
 
 
 _SPLITS = ("train", "validation", "test")

@@ -22,9 +22,9 @@ naming its file and line, since nothing of its answer would be learned.
 
 Packing (``dataset.packed_sequence_specs.packed_sequence_size=P``) concatenates whole samples,
 in file order, into rows of at most P tokens, padded to ``seq_length``. Each sample keeps its
-own labels and loss mask and its position ids restart at 0; attention stays causal over the
-whole row (a sample also sees the samples packed before it), as megatron-core allows without
-Transformer Engine's packed-sequence kernels, and RoPE positions run over the row.
+own labels, loss mask and position ids (restarting at 0), and a row carries ``document_ids``
+(the padding is one more document): the training step masks attention per sample and rotates
+each sample from position 0, so a packed row computes what its samples compute one by one.
 
 The splits are sized like the pretraining ones (``train.train_iters`` x global batch for
 training, every evaluation's batches for validation): training repeats its samples epoch after
@@ -187,8 +187,9 @@ def pack_rows(rows: list[Row], pack_size: int) -> list[Row]:
 class SFTDataset(torch.utils.data.Dataset):
     """``num_samples`` rows drawn from ``rows``: epoch after epoch, shuffled per epoch when ``seed`` is set."""
 
-    def __init__(self, rows: list[Row], seq_length: int, pad_id: int, num_samples: int, seed: Optional[int]):
-        self.rows, self.seq_length, self.pad_id = rows, seq_length, pad_id
+    def __init__(self, rows: list[Row], seq_length: int, pad_id: int, num_samples: int, seed: Optional[int],
+                 packed: bool = False):
+        self.rows, self.seq_length, self.pad_id, self.packed = rows, seq_length, pad_id, packed
         self.num_samples, self.seed = num_samples, seed
         self._orders: dict[int, np.ndarray] = {}
 
@@ -206,13 +207,18 @@ class SFTDataset(torch.utils.data.Dataset):
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         row = self.rows[self._row_index(index)]
         pad = self.seq_length - len(row.tokens)
-        return {
+        sample = {
             "tokens": torch.tensor(row.tokens + [self.pad_id] * pad, dtype=torch.long),
             "labels": torch.tensor(row.labels + [self.pad_id] * pad, dtype=torch.long),
             "loss_mask": torch.tensor(row.loss_mask + [0.0] * pad, dtype=torch.float),
             "position_ids": torch.tensor(row.position_ids + list(range(len(row.position_ids), self.seq_length)),
                                          dtype=torch.long),
         }
+        if self.packed:
+            # a sample starts where its positions restart; the padding after the last one is one more document
+            starts = torch.tensor([p == 0 for p in row.position_ids] + [True] + [False] * (pad - 1))[: self.seq_length]
+            sample["document_ids"] = torch.cumsum(starts, dim=0, dtype=torch.int32) - 1
+        return sample
 
 
 def build_sft_datasets(cfg, tokenizer, sizes: list[int]) -> list[Optional[SFTDataset]]:
@@ -238,7 +244,7 @@ def build_sft_datasets(cfg, tokenizer, sizes: list[int]) -> list[Optional[SFTDat
         if pack_size > 0:
             rows = pack_rows(rows, pack_size)
         seed = data.seed if split == "train" else None
-        datasets.append(SFTDataset(rows, seq_length, pad_id, size, seed))
+        datasets.append(SFTDataset(rows, seq_length, pad_id, size, seed, packed=pack_size > 0))
     return datasets
 
 

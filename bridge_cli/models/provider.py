@@ -14,7 +14,7 @@ class GPTModelProvider(TransformerConfig):
     """Every megatron-core TransformerConfig field, plus the GPTModel constructor's arguments."""
 
     spec: Optional[str] = None
-    """Layer spec: te (Transformer Engine), local (megatron-core's own) or torch (SDPA); None picks te if importable, else torch."""
+    """Layer spec: te (Transformer Engine), local (megatron-core's own) or torch (SDPA / FlexAttention); None picks te if importable, else torch."""
 
     vocab_size: Optional[int] = None
     """Tokenizer vocabulary size before padding; the mock dataset and the null tokenizer use it too."""
@@ -53,7 +53,7 @@ class GPTModelProvider(TransformerConfig):
     """Keep the logits split across tensor-parallel ranks (the vocab-parallel loss needs this)."""
 
     sdpa_backend: Literal["auto", "flash", "cudnn", "efficient", "math"] = "auto"
-    """Attention kernel of the torch spec: auto (torch picks per call) or only flash, cudnn, efficient or math."""
+    """SDPA kernel of the torch spec's causal layers: auto (torch picks per call) or only flash, cudnn, efficient or math."""
 
     compile_layers: bool = False
     """torch.compile each transformer layer in place (all share one graph) and the language-model loss."""
@@ -65,8 +65,7 @@ class GPTModelProvider(TransformerConfig):
 
     def provide(self, pre_process: bool = True, post_process: bool = True, vp_stage: Optional[int] = None):
         """Build one megatron-core GPTModel (one pipeline stage) from this config."""
-        from megatron.core.models.gpt import GPTModel
-
+        from bridge_cli.models.gpt_model import GPTModel
         from bridge_cli.models.specs import default_spec_name, layer_spec
 
         kwargs = {"vp_stage": vp_stage} if vp_stage is not None else {}

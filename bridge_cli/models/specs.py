@@ -4,8 +4,9 @@
 ``local``  megatron-core's own modules, ``DotProductAttention`` included. Its attention
            materialises the full ``[b, h, s, s]`` score matrix: on the GPU it is slower than
            ``torch`` and runs out of memory at long sequences.
-``torch``  ``local`` with core attention on ``F.scaled_dot_product_attention``
-           (:class:`~bridge_cli.models.sdpa_attention.SDPAttention`): the fast path without
+``torch``  ``local`` with this project's core attention
+           (:class:`~bridge_cli.models.attention.core.TorchAttention`): causal SDPA (flash / cuDNN),
+           and FlexAttention for packed documents, sliding windows and sinks; the fast path without
            Transformer Engine, and the default on the CPU.
 
 ``local`` and ``torch`` normalise with ``torch.nn`` norms (megatron-core's ``WrappedTorchNorm``
@@ -57,17 +58,16 @@ def layer_spec(name: str, config: TransformerConfig) -> ModuleSpec:
             )
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(**options)
     if name in ("local", "torch"):
-        if config.context_parallel_size > 1:
+        if config.context_parallel_size > 1 and name == "local":
             raise RuntimeUnavailable(
-                f"model.context_parallel_size={config.context_parallel_size} needs Transformer Engine's attention; "
-                f"the {name} layer spec has none. Use model.spec=te (needs transformer_engine) or "
-                "model.context_parallel_size=1.")
+                f"model.context_parallel_size={config.context_parallel_size} needs Transformer Engine's attention or "
+                "the torch spec's; the local layer spec has neither. Use model.spec=torch or model.spec=te.")
         spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization=config.normalization, **options)
         _check_sequence_parallel(name, spec, config)
         if name == "torch":
-            from bridge_cli.models.sdpa_attention import SDPAttention
+            from bridge_cli.models.attention.core import TorchAttention
 
-            spec.submodules.self_attention.submodules.core_attention = SDPAttention
+            spec.submodules.self_attention.submodules.core_attention = TorchAttention
         return spec
     raise ValueError(f"model.spec={name!r} is not a layer spec; choose one of {', '.join(SPEC_NAMES)}.")
 

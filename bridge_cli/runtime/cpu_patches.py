@@ -25,6 +25,10 @@ available and nothing the second time it runs. Symbol by symbol:
     The local spec's softmax builds its default causal mask (and the sliding-window one) with
     ``torch.ones(..., device="cuda")``; the same view of ``torch``, whose ``ones`` maps ``cuda``
     to ``cpu``.
+``megatron.core.models.common.embeddings.rope_utils.torch``
+    Under context parallelism ``get_pos_emb_on_this_cp_rank`` cuts the RoPE table with an index
+    built by ``torch.tensor(..., pin_memory=True)``, which needs CUDA; the same view of ``torch``,
+    whose ``tensor`` drops ``pin_memory``.
 ``megatron.core.tensor_parallel.random``: ``torch``, ``_get_cuda_rng_state``, ``_set_cuda_rng_state``
     The CUDA RNG tracker keeps one generator state per parallel role (model-parallel init,
     dropout under sequence parallelism, the local spec's attention dropout) and activation
@@ -66,6 +70,7 @@ def apply_cpu_patches() -> None:
     if _applied or torch.cuda.is_available():
         return
     from megatron.core import optimizer as mcore_optimizer
+    from megatron.core.models.common.embeddings import rope_utils
     from megatron.core.pipeline_parallel import p2p_communication, schedules
     from megatron.core.tensor_parallel import random as mcore_random
     from megatron.core.transformer import utils as transformer_utils
@@ -78,6 +83,7 @@ def apply_cpu_patches() -> None:
     torch.Tensor.cuda = _stay_on_cpu
     schedules.torch = _TorchOnCPU(torch)
     transformer_utils.torch = _TorchOnCPU(torch)
+    rope_utils.torch = _TorchOnCPU(torch)
     mcore_random.torch = _TorchOnCPU(torch)
     mcore_random._get_cuda_rng_state = _get_rng_state
     mcore_random._set_cuda_rng_state = _set_rng_state
@@ -154,6 +160,9 @@ class _TorchOnCPU(types.ModuleType):
 
     def ones(self, *size, device=None, **kwargs):
         return self._real.ones(*size, device=_host(device), **kwargs)
+
+    def tensor(self, data, *args, pin_memory: bool = False, **kwargs):
+        return self._real.tensor(data, *args, **kwargs)
 
     def autocast(self, device_type: str, *args, **kwargs):
         return self._real.autocast("cpu" if device_type == "cuda" else device_type, *args, **kwargs)

@@ -15,7 +15,7 @@ from bridge_cli.training.state import GlobalState
 def get_batch(data_iterator: Iterator, device: torch.device, use_mask: bool) -> dict[str, torch.Tensor]:
     """The next micro-batch on ``device``, copied without blocking the host."""
     batch = next(data_iterator)
-    keys = ("tokens", "labels", "loss_mask", "position_ids") + (("attention_mask",) if use_mask else ())
+    keys = ("tokens", "labels", "loss_mask", "position_ids", "document_ids") + (("attention_mask",) if use_mask else ())
     return {k: batch[k].to(device, non_blocking=True) for k in keys if k in batch}
 
 
@@ -24,5 +24,24 @@ def forward_step(state: GlobalState, data_iterator: Iterator, model, return_sche
     use_mask = not getattr(state.cfg.dataset, "skip_getting_attention_mask_from_dataset", True)
     with timed(state.timers, "batch-generator", log_level=2):
         batch = get_batch(data_iterator, state.runtime.device, use_mask)
-    output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"])
+    cp_size = state.cfg.model.context_parallel_size
+    cp_rank = _context_parallel_rank() if cp_size > 1 else 0
+    documents = {}
+    if "document_ids" in batch:  # rows of several documents: attention and RoPE restart at each
+        from bridge_cli.models.attention.masks import batch_document_params
+
+        documents["packed_seq_params"] = batch_document_params(state.cfg.model, batch.pop("document_ids"),
+                                                               batch["position_ids"], cp_size, cp_rank)
+    if cp_size > 1:  # this rank's part of every row
+        from bridge_cli.models.attention.context_parallel import slice_rows
+
+        batch = {key: slice_rows(value, cp_size, cp_rank) for key, value in batch.items()}
+    output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"],
+                   **documents)
     return output, functools.partial(masked_next_token_loss, batch["loss_mask"])
+
+
+def _context_parallel_rank() -> int:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_context_parallel_rank()

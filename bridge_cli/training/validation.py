@@ -18,6 +18,7 @@ from bridge_cli.config.errors import ConfigError
 from bridge_cli.config.fields import check_section
 from bridge_cli.config.ranges import check_ranges
 from bridge_cli.config.unsupported import check_unsupported
+from bridge_cli.models.attention.config_checks import check_attention
 from bridge_cli.config.data_configs import FinetuningDatasetConfig
 from bridge_cli.runtime.device_rules import check_device
 from bridge_cli.runtime.output_paths import check_output_folders
@@ -91,6 +92,7 @@ def validate_and_derive(cfg, world_size: int, device: str) -> Derived:
     global_batch, microbatches = _batches(cfg.train, dp)
     _check_gradient_norm_logging(cfg, dp)
     _check_sequence_length(cfg)
+    check_attention(cfg)
     ckpt = cfg.checkpoint
     check_output_folders([("checkpoint.save", ckpt.save), ("logger.tensorboard_dir", cfg.logger.tensorboard_dir),
                           ("logger.wandb_save_dir", cfg.logger.wandb_save_dir),

@@ -7,18 +7,18 @@ import torch
 from megatron.core.transformer.enums import AttnMaskType
 
 from bridge_cli.models.provider import GPTModelProvider
-from bridge_cli.models.sdpa_attention import SDPAttention
+from bridge_cli.models.attention.core import TorchAttention
 from bridge_cli.models.specs import layer_spec
 from bridge_cli.runtime.errors import RuntimeUnavailable
 
 
-def attention(**fields) -> SDPAttention:
+def attention(**fields) -> TorchAttention:
     base = dict(num_layers=1, hidden_size=64, num_attention_heads=4, num_query_groups=2, attention_dropout=0.0)
     config = GPTModelProvider(**{**base, **fields})
-    return SDPAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
+    return TorchAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
 
 
-def run(module: SDPAttention) -> tuple[torch.Tensor, torch.Tensor, set[str]]:
+def run(module: TorchAttention) -> tuple[torch.Tensor, torch.Tensor, set[str]]:
     """Output, query grad and kernel names of one forward and backward on fixed ``[s, b, heads, d]`` inputs."""
     generator = torch.Generator().manual_seed(0)
     q = torch.randn(32, 2, 4, 16, generator=generator, requires_grad=True)

@@ -1,0 +1,47 @@
+"""Config rules of the torch spec's attention (documents, context parallelism), checked before any model is built."""
+
+from __future__ import annotations
+
+from bridge_cli.config.errors import ConfigError
+
+
+def check_attention(cfg) -> None:
+    """Every rule below; the validation pass (training/validation.py) calls this."""
+    check_document_attention(cfg)
+    check_context_parallel(cfg)
+
+
+def check_document_attention(cfg) -> None:
+    """Rows of several documents (``dataset.reset_attention_mask``, packed SFT) need the torch spec,
+    the one whose attention masks each document; another spec would let documents see each other."""
+    from bridge_cli.models.specs import default_spec_name
+
+    data = cfg.dataset
+    if hasattr(data, "packed_sequence_specs"):  # the fine-tuning dataset
+        key = "dataset.packed_sequence_specs.packed_sequence_size"
+        documents = data.packed_sequence_specs.packed_sequence_size > 0
+        fix = "or unpack the samples (dataset.packed_sequence_specs.packed_sequence_size=-1)"
+    else:
+        key = "dataset.reset_attention_mask"
+        documents = getattr(data, "reset_attention_mask", False)
+        fix = "or set dataset.reset_attention_mask=false"
+    spec = cfg.model.spec or default_spec_name()
+    if documents and spec != "torch":
+        raise ConfigError(key, f"masks attention per document, which only the torch layer spec does "
+                          f"(model.spec={spec}).", f"Set model.spec=torch, {fix}.")
+
+
+def check_context_parallel(cfg) -> None:
+    """Each context-parallel rank holds two chunks of every row, cut from document ids, not from a dense mask."""
+    cp = cfg.model.context_parallel_size
+    if cp == 1:
+        return
+    seq = cfg.model.seq_length
+    if seq % (2 * cp):
+        raise ConfigError("model.context_parallel_size", f"{cp} cuts each row into {2 * cp} chunks, which "
+                          f"model.seq_length={seq} is not a multiple of.",
+                          f"Make model.seq_length a multiple of {2 * cp}.")
+    if not getattr(cfg.dataset, "skip_getting_attention_mask_from_dataset", True):
+        raise ConfigError("dataset.skip_getting_attention_mask_from_dataset", "must stay true with "
+                          f"model.context_parallel_size={cp}: the attention cannot cut a dense [s, s] mask.",
+                          "Use dataset.reset_attention_mask=true for per-document masks instead.")
