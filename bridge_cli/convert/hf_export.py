@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Optional
 
 from bridge_cli.checkpoint import layout
-from bridge_cli.convert import hf_config
+from bridge_cli.convert import families
 from bridge_cli.convert.hf_files import check_output_free, parse_size, staged, write_safetensors
 
 
@@ -29,11 +29,13 @@ class Exported:
     files: list[Path]
 
 
-def export_hf(ckpt_dir: Path, out_dir: Path, step: Optional[int] = None, max_shard_size: str = "5GB") -> Exported:
-    """Convert the checkpoint under ``ckpt_dir`` (its latest, or iteration ``step``) into ``out_dir`` (new or empty)."""
+def export_hf(ckpt_dir: Path, out_dir: Path, step: Optional[int] = None, max_shard_size: str = "5GB",
+              model_type: Optional[str] = None) -> Exported:
+    """Convert the checkpoint under ``ckpt_dir`` (its latest, or iteration ``step``) into ``out_dir`` (new or
+    empty), as the family ``model_type`` (default: the one its model fits)."""
     from bridge_cli.config import mcore_schema
     from bridge_cli.convert import mcore_io
-    from bridge_cli.convert.hf_weights import Architecture, pairs, to_hf
+    from bridge_cli.convert.hf_weights import Architecture, to_hf
     from bridge_cli.convert.progress import per_tensor
     from bridge_cli.models.provider import GPTModelProvider
 
@@ -43,8 +45,8 @@ def export_hf(ckpt_dir: Path, out_dir: Path, step: Optional[int] = None, max_sha
     path = layout.require_checkpoint(Path(ckpt_dir), step).path
     model_cfg = mcore_io.model_config(mcore_io.saved_model_values(path))
     values = mcore_schema.to_yaml_values("model", GPTModelProvider, model_cfg)
-    hf_config.check_exportable(values, path)
-    config = hf_config.to_hf_config(values)
+    family = families.for_export(values, model_type, path)
+    config = family.hf_config(values)
     arch = Architecture.of(model_cfg)
 
     mcore_io.init_process()
@@ -53,7 +55,7 @@ def export_hf(ckpt_dir: Path, out_dir: Path, step: Optional[int] = None, max_sha
     weights = model.state_dict()
 
     def tensors():
-        for pair in per_tensor(pairs(arch), "exporting"):
+        for pair in per_tensor(family.pairs(arch), "exporting"):
             yield from zip(pair.hf_names, to_hf(pair, weights[pair.mcore], arch))
 
     with staged(out_dir) as staging:
