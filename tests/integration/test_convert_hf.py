@@ -45,8 +45,8 @@ MODELS = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(vocab_size=640, head_dim=32, rope_theta=1000000.0,
                                                       tie_word_embeddings=False), None),
     # fused qkv_proj and gate_up_proj, RoPE on half of each head, a window that caps seq_length
-    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(vocab_size=576, partial_rotary_factor=0.5, sliding_window=64, eos_token_id=2,
-                                                   pad_token_id=None, tie_word_embeddings=False), None),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(vocab_size=576, partial_rotary_factor=0.5, sliding_window=64,
+                                                   eos_token_id=2, pad_token_id=None, tie_word_embeddings=False), None),
 }
 EXPORT_ARGS = {"mistral": ["--model-type", "mistral"]}
 """export-hf picks the family from the model; a Mistral (without its window, a Llama) must be named."""

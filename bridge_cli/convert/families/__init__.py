@@ -21,7 +21,8 @@ from bridge_cli.convert.families.qwen2 import Qwen2
 from bridge_cli.convert.families.qwen3 import Qwen3
 from bridge_cli.convert.hf_config import unsupported
 
-FAMILIES: dict[str, LlamaLike] = {family.model_type: family for family in (Llama(), Mistral(), Qwen2(), Qwen3(), Phi3())}
+FAMILIES: dict[str, LlamaLike] = {family.model_type: family
+                                  for family in (Llama(), Mistral(), Qwen2(), Qwen3(), Phi3())}
 """model_type -> its family, in the order export tries them."""
 
 INFERRED = ("llama", "qwen2", "qwen3", "phi3")

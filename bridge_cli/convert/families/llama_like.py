@@ -106,7 +106,8 @@ class LlamaLike:
     def differences(self, model: Mapping[str, Any]) -> list[str]:
         """``model.KEY=VALUE`` for each fixed field that the model (YAML values) sets otherwise."""
         # a field this megatron-core lacks cannot hold another value
-        return [f"model.{key}={model[key]}" for key, value in self.fixed.items() if key in model and model[key] != value]
+        return [f"model.{key}={model[key]}" for key, value in self.fixed.items()
+                if key in model and model[key] != value]
 
     def hf_config(self, model: Mapping[str, Any]) -> dict[str, Any]:
         """The config.json of the model given by its ``model:`` YAML values."""
