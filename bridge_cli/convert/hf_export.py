@@ -1,8 +1,9 @@
 """`bridge convert-ckpt export-hf`: a torch_dist checkpoint -> a Hugging Face folder.
 
 The model's shape comes from the checkpoint's run_config.yaml. The weights load, resharded by
-megatron-core, into a one-process GPTModel whatever tensor/pipeline layout saved them; they are
-written in their stored dtype as ``model.safetensors`` (or shards plus an index above
+megatron-core, into a one-process GPTModel whatever tensor/pipeline layout saved them, one decoder
+layer at a time, so that host memory holds about one layer plus one output shard, never the
+model; they are written in their stored dtype as ``model.safetensors`` (or shards plus an index above
 ``--max-shard-size``) next to a ``config.json`` that transformers loads offline. Vocabulary
 padding rows are dropped. The folder is written as ``OUT_DIR.incomplete`` and renamed at the end.
 """
@@ -51,12 +52,16 @@ def export_hf(ckpt_dir: Path, out_dir: Path, step: Optional[int] = None, max_sha
 
     mcore_io.init_process()
     model = mcore_io.build_model(model_cfg)
-    mcore_io.load_weights(model, model_cfg, path)
-    weights = model.state_dict()
+    groups = mcore_io.stream_weights(model, model_cfg, path)
 
     def tensors():
+        group: dict = {}
         for pair in per_tensor(family.pairs(arch), "exporting"):
-            yield from zip(pair.hf_names, to_hf(pair, weights[pair.mcore], arch))
+            while pair.mcore not in group:  # the family lists the tensors in the model's order
+                group = next(groups, None)
+                if group is None:
+                    raise RuntimeError(f"{pair.mcore}: not among the model's parameters, or out of their order")
+            yield from zip(pair.hf_names, to_hf(pair, group[pair.mcore], arch))
 
     with staged(out_dir) as staging:
         (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
