@@ -130,8 +130,10 @@ def stream_weights(model, model_cfg, path: Path) -> Iterator[dict[str, Any]]:
 
     template = _checked_template(model, model_cfg, path)["model"]
     params = set(dict(model.named_parameters()))
+    groups = read_by_layer({name: value for name, value in template.items() if name in params}, path)
     with _quiet_loading():
-        yield from read_by_layer({name: value for name, value in template.items() if name in params}, path)
+        while (group := _read(path, lambda _: next(groups, None))) is not None:
+            yield group
 
 
 def _checked_template(model, model_cfg, path: Path) -> dict:

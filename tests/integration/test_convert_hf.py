@@ -146,7 +146,7 @@ def mcore_logits(work, imported, trained) -> dict[tuple[str, int], torch.Tensor]
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     ok(subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                        str(WORKER), "--ckpt", *checkpoints, "--tokens", str(work / "tokens.pt"), "--out", str(out),
-                       "--tp", "1", "2"], env=env, capture_output=True, text=True, timeout=600, cwd=REPO))
+                       "--tp", "1", "2", "--resave"], env=env, capture_output=True, text=True, timeout=600, cwd=REPO))
     return {(file.stem.rsplit("_tp", 1)[0], int(file.stem.rsplit("_tp", 1)[1])): torch.load(file)
             for file in out.glob("*.pt")}
 
@@ -189,6 +189,18 @@ def test_round_trip_gives_identical_tensors(name, work, hf_dirs, imported, token
         assert exported[key].dtype == tensor.dtype and torch.equal(exported[key], tensor), key
     assert json.loads((out / "config.json").read_text())["model_type"] == name
     assert torch.equal(hf_logits(out, tokens), torch.load(reference(hf_dirs[name])))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["qwen2", "phi3"])
+def test_export_reads_a_checkpoint_saved_with_tensor_parallelism(name, work, hf_dirs, mcore_logits):
+    """Saved at TP=2, every tensor is split in two chunks; export reads each layer's region across them."""
+    out = work / f"from_tp2_{name}"
+    ok(bridge("convert-ckpt", "export-hf", str(work / "logits" / f"{name}_tp2_saved"), str(out)))
+    original, exported = safetensors_of(hf_dirs[name]), safetensors_of(out)
+    assert sorted(exported) == sorted(original)
+    for key, tensor in original.items():
+        assert torch.equal(exported[key], tensor), key
 
 
 @pytest.mark.slow
