@@ -29,7 +29,7 @@ def import_hf(
         "--recipes-dir", help="Extra folder of recipe YAML files (repeatable; also $BRIDGE_RECIPES_DIR).")] = None,
     debug: Debug = False,
 ) -> None:
-    """Convert a Llama / Mistral / Qwen2 model into a torch_dist checkpoint that bridge trains from."""
+    """Convert a Hugging Face model (see `families`) into a torch_dist checkpoint that bridge trains from."""
     from bridge_cli.runtime.mcore_import import import_megatron_core
 
     import_megatron_core()
@@ -49,6 +49,9 @@ def export_hf(
     out_dir: Annotated[Path, typer.Argument(help="New (or empty) folder for config.json and *.safetensors.")],
     ckpt_step: Annotated[Optional[int], typer.Option(help="Iteration to export (default: the latest).")] = None,
     max_shard_size: Annotated[str, typer.Option(help="Largest safetensors file before sharding, e.g. 5GB.")] = "5GB",
+    model_type: Annotated[Optional[str], typer.Option(
+        help="Family to write (see `families`; default: qwen3 with q/k norms, qwen2 with q/k/v biases, phi3 with "
+             "partial RoPE, else llama).")] = None,
     debug: Debug = False,
 ) -> None:
     """Convert a bridge / Megatron torch_dist checkpoint into a folder transformers loads."""
@@ -57,7 +60,15 @@ def export_hf(
     import_megatron_core()
     from bridge_cli.convert.hf_export import export_hf as run_export
 
-    done = run_export(ckpt_dir, out_dir, ckpt_step, max_shard_size)
+    done = run_export(ckpt_dir, out_dir, ckpt_step, max_shard_size, model_type)
     typer.echo(f"exported {done.checkpoint} as {done.model_type} to {done.out_dir} "
                f"({', '.join(f.name for f in done.files)} + config.json)\n"
                f"load it: transformers.AutoModelForCausalLM.from_pretrained({str(done.out_dir)!r})")
+
+
+@app.command("families")
+def families() -> None:
+    """List the Hugging Face families import-hf and export-hf convert, with their limits (one line each)."""
+    from bridge_cli.convert.families import listing
+
+    typer.echo("\n".join(listing()))

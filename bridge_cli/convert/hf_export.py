@@ -1,8 +1,9 @@
 """`bridge convert-ckpt export-hf`: a torch_dist checkpoint -> a Hugging Face folder.
 
 The model's shape comes from the checkpoint's run_config.yaml. The weights load, resharded by
-megatron-core, into a one-process GPTModel whatever tensor/pipeline layout saved them; they are
-written in their stored dtype as ``model.safetensors`` (or shards plus an index above
+megatron-core, into a one-process GPTModel whatever tensor/pipeline layout saved them, one decoder
+layer at a time, so that host memory holds about one layer plus one output shard, never the
+model; they are written in their stored dtype as ``model.safetensors`` (or shards plus an index above
 ``--max-shard-size``) next to a ``config.json`` that transformers loads offline. Vocabulary
 padding rows are dropped. The folder is written as ``OUT_DIR.incomplete`` and renamed at the end.
 """
@@ -15,7 +16,7 @@ from pathlib import Path
 from typing import Optional
 
 from bridge_cli.checkpoint import layout
-from bridge_cli.convert import hf_config
+from bridge_cli.convert import families
 from bridge_cli.convert.hf_files import check_output_free, parse_size, staged, write_safetensors
 
 
@@ -29,11 +30,13 @@ class Exported:
     files: list[Path]
 
 
-def export_hf(ckpt_dir: Path, out_dir: Path, step: Optional[int] = None, max_shard_size: str = "5GB") -> Exported:
-    """Convert the checkpoint under ``ckpt_dir`` (its latest, or iteration ``step``) into ``out_dir`` (new or empty)."""
+def export_hf(ckpt_dir: Path, out_dir: Path, step: Optional[int] = None, max_shard_size: str = "5GB",
+              model_type: Optional[str] = None) -> Exported:
+    """Convert the checkpoint under ``ckpt_dir`` (its latest, or iteration ``step``) into ``out_dir`` (new or
+    empty), as the family ``model_type`` (default: the one its model fits)."""
     from bridge_cli.config import mcore_schema
     from bridge_cli.convert import mcore_io
-    from bridge_cli.convert.hf_weights import Architecture, pairs, to_hf
+    from bridge_cli.convert.hf_weights import Architecture, to_hf
     from bridge_cli.convert.progress import per_tensor
     from bridge_cli.models.provider import GPTModelProvider
 
@@ -43,18 +46,22 @@ def export_hf(ckpt_dir: Path, out_dir: Path, step: Optional[int] = None, max_sha
     path = layout.require_checkpoint(Path(ckpt_dir), step).path
     model_cfg = mcore_io.model_config(mcore_io.saved_model_values(path))
     values = mcore_schema.to_yaml_values("model", GPTModelProvider, model_cfg)
-    hf_config.check_exportable(values, path)
-    config = hf_config.to_hf_config(values)
+    family = families.for_export(values, model_type, path)
+    config = family.hf_config(values)
     arch = Architecture.of(model_cfg)
 
     mcore_io.init_process()
     model = mcore_io.build_model(model_cfg)
-    mcore_io.load_weights(model, model_cfg, path)
-    weights = model.state_dict()
+    groups = mcore_io.stream_weights(model, model_cfg, path)
 
     def tensors():
-        for pair in per_tensor(pairs(arch), "exporting"):
-            yield from zip(pair.hf_names, to_hf(pair, weights[pair.mcore], arch))
+        group: dict = {}
+        for pair in per_tensor(family.pairs(arch), "exporting"):
+            while pair.mcore not in group:  # the family lists the tensors in the model's order
+                group = next(groups, None)
+                if group is None:
+                    raise RuntimeError(f"{pair.mcore}: not among the model's parameters, or out of their order")
+            yield from zip(pair.hf_names, to_hf(pair, group[pair.mcore], arch))
 
     with staged(out_dir) as staging:
         (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -1,8 +1,9 @@
 """The files of a conversion: a Hugging Face folder's safetensors, read lazily and written in
 shards, and an output folder that appears all at once.
 
-Reading opens each safetensors file once (memory-mapped) and hands out one tensor at a time, so
-an import never holds a second copy of the model. Writing stages everything in
+Reading hands out one tensor at a time, each from a memory map opened for it alone: the pages
+it touched leave the process with the map, so an import never holds a second copy of the model
+(one long-lived map per file would keep every page read so far resident). Writing stages everything in
 ``OUT_DIR.incomplete`` and renames it to ``OUT_DIR`` at the end: a failed or killed conversion
 leaves no ``OUT_DIR`` behind.
 """
@@ -33,7 +34,6 @@ class SafetensorsFolder:
     def __init__(self, folder: Path):
         self.folder = Path(folder)
         self._file_of: dict[str, Path] = {}
-        self._handles: dict[Path, object] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}
         for file, names in self._listing().items():
             handle = self._open(file)
@@ -50,10 +50,11 @@ class SafetensorsFolder:
         return self._file_of[name]
 
     def tensor(self, name: str):
-        """One tensor, read from its file now."""
+        """One tensor, read from its file now into memory of its own."""
         file = self._file_of[name]
         try:
-            return self._handles[file].get_tensor(name)
+            with _safetensors().safe_open(str(file), framework="pt") as handle:
+                return handle.get_tensor(name)
         except Exception as err:  # safetensors raises its own error types for damaged data
             raise CheckpointError(f"{file}: cannot read tensor {name} ({err}); the file is damaged. "
                                   "Download it again.") from err
@@ -87,7 +88,6 @@ class SafetensorsFolder:
         except Exception as err:  # a truncated or foreign file fails in the header parser
             raise CheckpointError(f"{file}: not a readable safetensors file ({err}); it is damaged or "
                                   "incomplete. Download it again.") from err
-        self._handles[file] = handle
         return handle
 
 

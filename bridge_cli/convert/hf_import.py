@@ -22,7 +22,7 @@ from typing import Optional
 import yaml
 
 from bridge_cli.checkpoint.errors import CheckpointError
-from bridge_cli.convert import hf_config
+from bridge_cli.convert import families, hf_config
 from bridge_cli.convert.hf_files import SafetensorsFolder, check_output_free, staged
 
 RECIPE = "recipe.yaml"
@@ -55,25 +55,27 @@ def import_hf(hf_dir: Path, out_dir: Path, base_recipe: str = "tiny", tensor_par
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     check_output_free(out_dir)
     hf = hf_config.read_config(hf_dir)
-    fields = hf_config.to_model_fields(hf, hf_dir / "config.json", seq_length)
+    family = families.for_import(hf, hf_dir / "config.json")
+    fields = family.model_fields(hf, hf_dir / "config.json", seq_length)
     arch = Architecture.of(types.SimpleNamespace(**fields))
     weights = SafetensorsFolder(hf_dir)
-    check_tensors(weights, arch, hf_dir, hf["model_type"])
+    todo = family.pairs(arch)
+    check_tensors(weights, todo, arch, hf_dir, family.model_type)
     base = recipes.find(base_recipe, recipes_dirs)
     with staged(out_dir) as staging:
         recipe = staging / RECIPE
         recipe.write_text(recipe_text(base, fields, hf_dir, out_dir, hf["model_type"], tensor_parallel,
                                       pipeline_parallel))
         cfg = _load_recipe(recipe, fields, tensor_parallel * pipeline_parallel)
-        parameters, dtypes = _convert(weights, arch, cfg, staging)
-    return Imported(out_dir, out_dir / "iter_0000000", out_dir / RECIPE, hf["model_type"], parameters, dtypes)
+        parameters, dtypes = _convert(weights, todo, arch, cfg, staging)
+    return Imported(out_dir, out_dir / "iter_0000000", out_dir / RECIPE, family.model_type, parameters, dtypes)
 
 
-def check_tensors(weights: SafetensorsFolder, arch, hf_dir: Path, model_type: str) -> None:
-    """Every tensor config.json implies is there with its shape, and nothing else is."""
-    from bridge_cli.convert.hf_weights import ignorable, pairs
+def check_tensors(weights: SafetensorsFolder, todo: list, arch, hf_dir: Path, model_type: str) -> None:
+    """Every tensor of the pairs ``todo`` is there with its shape, and nothing else is."""
+    from bridge_cli.convert.hf_weights import ignorable
 
-    expected = {name: shape for pair in pairs(arch) for name, shape in pair.hf}
+    expected = {name: shape for pair in todo for name, shape in pair.hf}
     missing = [name for name in expected if name not in weights.shapes]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
@@ -127,18 +129,17 @@ def _load_recipe(recipe: Path, fields: dict, world_size: int):
     return cfg
 
 
-def _convert(weights: SafetensorsFolder, arch, cfg, staging: Path) -> tuple[int, str]:
+def _convert(weights: SafetensorsFolder, todo: list, arch, cfg, staging: Path) -> tuple[int, str]:
     """Copy every tensor into a fresh model and save it; returns (parameter count, 'from -> to' dtypes)."""
     import torch
 
     from bridge_cli.convert import mcore_io
-    from bridge_cli.convert.hf_weights import pairs, to_mcore
+    from bridge_cli.convert.hf_weights import to_mcore
     from bridge_cli.convert.progress import per_tensor
 
     mcore_io.init_process()
     model = mcore_io.build_model(mcore_io.model_config(cfg.run_record()["model"]))
     params = dict(model.named_parameters())
-    todo = pairs(arch)
     differ = set(params) ^ {pair.mcore for pair in todo}
     if differ:  # megatron-core's layer spec names its modules differently from hf_weights: a bug
         raise RuntimeError(f"megatron-core parameters and the Hugging Face mapping differ: {sorted(differ)}")

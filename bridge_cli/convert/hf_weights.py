@@ -1,14 +1,17 @@
-"""Tensor names and layouts: megatron-core GPTModel (one rank) <-> Hugging Face Llama/Mistral/Qwen2.
+"""Tensor layouts: megatron-core GPTModel (one rank) <-> Hugging Face, for every family.
 
-The megatron-core names are the module names of the ``torch``/``local`` layer spec on one rank;
-its sharded state dict stores them under Transformer Engine's keys, so a checkpoint written from
-it loads with any spec. Three layouts differ from Hugging Face's:
+Which tensors a family has is its module's business (``convert/families``); this module holds the
+shapes they share and how a parameter is rearranged. The megatron-core names are the module names
+of the ``torch``/``local`` layer spec on one rank; its sharded state dict stores them under
+Transformer Engine's keys, so a checkpoint written from it loads with any spec. These layouts
+differ from Hugging Face's:
 
 - ``linear_qkv`` fuses q, k and v, interleaved per query group: for each of the
   ``num_query_groups`` groups, that group's query heads, then its key head, then its value head
   (``heads_per_group * kv_channels``, ``kv_channels``, ``kv_channels`` rows). Its bias (Qwen2)
-  follows the same order.
-- ``linear_fc1`` is ``[gate; up]``: megatron-core's SwiGLU applies the activation to the first half.
+  follows the same order. Phi-3 stores q, k and v as one ``qkv_proj`` tensor, ``[q; k; v]``.
+- ``linear_fc1`` is ``[gate; up]``: megatron-core's SwiGLU applies the activation to the first half
+  (Phi-3's fused ``gate_up_proj`` is already that).
 - The embedding and output layer may hold padding rows beyond the vocabulary
   (``make_vocab_size_divisible_by``); export drops them.
 """
@@ -18,8 +21,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-import torch
-
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 """Hugging Face tensors that carry no weights (old Llama checkpoints saved the RoPE frequencies)."""
 
@@ -27,6 +28,7 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 class Layout(Enum):
     SAME = "same"
     QKV = "qkv"
+    FUSED_QKV = "fused_qkv"
     GATE_UP = "gate_up"
     VOCAB = "vocab"
 
@@ -44,17 +46,25 @@ class Architecture:
     vocab_size: int
     tied: bool
     qkv_bias: bool
+    qk_norm: bool
 
     @classmethod
     def of(cls, model) -> "Architecture":
         """From a GPTModelProvider (megatron-core has filled in the defaulted sizes)."""
         return cls(model.num_layers, model.hidden_size, model.ffn_hidden_size, model.num_attention_heads,
                    model.num_query_groups or model.num_attention_heads, model.kv_channels, model.vocab_size,
-                   model.share_embeddings_and_output_weights, model.add_qkv_bias)
+                   model.share_embeddings_and_output_weights, model.add_qkv_bias,
+                   model.qk_layernorm)
 
     @property
     def heads_per_group(self) -> int:
         return self.num_attention_heads // self.num_query_groups
+
+    @property
+    def qkv_rows(self) -> tuple[int, int, int]:
+        """Rows of q, k and v in Hugging Face's projections."""
+        kv = self.num_query_groups * self.kv_channels
+        return self.num_attention_heads * self.kv_channels, kv, kv
 
 
 @dataclass(frozen=True)
@@ -70,50 +80,19 @@ class Pair:
         return tuple(name for name, _ in self.hf)
 
 
-def pairs(arch: Architecture) -> list[Pair]:
-    """Every parameter of the model, in the order a Hugging Face checkpoint lists them."""
-    h, v = arch.hidden_size, arch.vocab_size
-    out = [Pair("embedding.word_embeddings.weight", (("model.embed_tokens.weight", (v, h)),), Layout.VOCAB)]
-    for i in range(arch.num_layers):
-        out += _layer_pairs(arch, i)
-    out.append(Pair("decoder.final_layernorm.weight", (("model.norm.weight", (h,)),)))
-    if not arch.tied:
-        out.append(Pair("output_layer.weight", (("lm_head.weight", (v, h)),), Layout.VOCAB))
-    return out
-
-
-def _layer_pairs(arch: Architecture, i: int) -> list[Pair]:
-    h, f = arch.hidden_size, arch.ffn_hidden_size
-    q_rows, kv_rows = arch.num_attention_heads * arch.kv_channels, arch.num_query_groups * arch.kv_channels
-    m, p = f"decoder.layers.{i}.", f"model.layers.{i}."
-    attn = p + "self_attn."
-    layer = [
-        Pair(m + "input_layernorm.weight", ((p + "input_layernorm.weight", (h,)),)),
-        Pair(m + "self_attention.linear_qkv.weight", ((attn + "q_proj.weight", (q_rows, h)),
-                                                       (attn + "k_proj.weight", (kv_rows, h)),
-                                                       (attn + "v_proj.weight", (kv_rows, h))), Layout.QKV),
-    ]
-    if arch.qkv_bias:
-        layer.append(Pair(m + "self_attention.linear_qkv.bias", ((attn + "q_proj.bias", (q_rows,)),
-                                                                 (attn + "k_proj.bias", (kv_rows,)),
-                                                                 (attn + "v_proj.bias", (kv_rows,))), Layout.QKV))
-    return layer + [
-        Pair(m + "self_attention.linear_proj.weight", ((attn + "o_proj.weight", (h, q_rows)),)),
-        Pair(m + "pre_mlp_layernorm.weight", ((p + "post_attention_layernorm.weight", (h,)),)),
-        Pair(m + "mlp.linear_fc1.weight", ((p + "mlp.gate_proj.weight", (f, h)),
-                                           (p + "mlp.up_proj.weight", (f, h))), Layout.GATE_UP),
-        Pair(m + "mlp.linear_fc2.weight", ((p + "mlp.down_proj.weight", (h, f)),)),
-    ]
-
-
 def ignorable(name: str, arch: Architecture) -> bool:
     """Hugging Face tensors an import may skip: RoPE caches, and lm_head when it is tied to the embedding."""
     return name.endswith(IGNORED_SUFFIXES) or (arch.tied and name == "lm_head.weight")
 
 
-def to_mcore(pair: Pair, tensors: list[torch.Tensor], arch: Architecture) -> torch.Tensor:
+def to_mcore(pair: Pair, tensors: list, arch: Architecture):
     """The megatron-core parameter made of ``pair``'s Hugging Face tensors (in ``pair.hf`` order)."""
-    if pair.layout is Layout.QKV:
+    import torch
+
+    if pair.layout is Layout.FUSED_QKV:
+        (fused,) = tensors
+        tensors = fused.split(arch.qkv_rows, dim=0)
+    if pair.layout in (Layout.QKV, Layout.FUSED_QKV):
         g, d, rest = arch.num_query_groups, arch.kv_channels, tensors[0].shape[1:]
         q, k, v = tensors
         grouped = (q.reshape(g, arch.heads_per_group * d, *rest), k.reshape(g, d, *rest), v.reshape(g, d, *rest))
@@ -124,14 +103,18 @@ def to_mcore(pair: Pair, tensors: list[torch.Tensor], arch: Architecture) -> tor
     return tensor
 
 
-def to_hf(pair: Pair, tensor: torch.Tensor, arch: Architecture) -> list[torch.Tensor]:
+def to_hf(pair: Pair, tensor, arch: Architecture) -> list:
     """``pair``'s Hugging Face tensors (in ``pair.hf`` order), contiguous and owning their memory.
 
     safetensors refuses tensors that share storage, so the parts of a fused parameter are copies.
     """
-    if pair.layout is Layout.QKV:
+    import torch
+
+    if pair.layout in (Layout.QKV, Layout.FUSED_QKV):
         g, d, rest = arch.num_query_groups, arch.kv_channels, tensor.shape[1:]
         parts = tensor.reshape(g, (arch.heads_per_group + 2) * d, *rest).split([arch.heads_per_group * d, d, d], dim=1)
+        if pair.layout is Layout.FUSED_QKV:
+            return [torch.cat([part.reshape(-1, *rest) for part in parts])]
         return [part.reshape(-1, *rest).clone() for part in parts]
     if pair.layout is Layout.GATE_UP:
         return [part.clone() for part in tensor.chunk(2, dim=0)]

@@ -9,8 +9,9 @@ checkpoint saved under any layout loads into it.
 from __future__ import annotations
 
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from bridge_cli.checkpoint import state_dict, verify
 from bridge_cli.checkpoint.errors import CheckpointError
@@ -99,18 +100,50 @@ def load_weights(model, model_cfg, path: Path) -> None:
     (and the settings its run_config.yaml has that ``model_cfg`` has not).
     """
     from megatron.core import dist_checkpointing
+
+    template = _checked_template(model, model_cfg, path)
+    with _quiet_loading():
+        loaded = _read(path, lambda p: dist_checkpointing.load(template, p))
+    model.load_state_dict(loaded["model"], strict=True)
+
+
+def stream_weights(model, model_cfg, path: Path) -> Iterator[dict[str, Any]]:
+    """The weights of checkpoint ``path`` for ``model`` (one process, built from ``model_cfg``),
+    read one decoder layer at a time (see :mod:`~bridge_cli.convert.layer_reader`):
+    ``{parameter name: tensor}`` per layer, and per tensor outside the layers, in the model's order.
+
+    Checked as load_weights checks. A group is read when it is asked for and is the caller's to
+    drop, so the model is never resident whole (its own storage is never written).
+    """
+    from bridge_cli.convert.layer_reader import read_by_layer
+
+    template = _checked_template(model, model_cfg, path)["model"]
+    params = set(dict(model.named_parameters()))
+    groups = read_by_layer({name: value for name, value in template.items() if name in params}, path)
+    with _quiet_loading():
+        while (group := _read(path, lambda _: next(groups, None))) is not None:
+            yield group
+
+
+def _checked_template(model, model_cfg, path: Path) -> dict:
+    """``{"model": model's sharded state dict}`` for checkpoint ``path``, whose files and shapes match."""
+    from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
 
     verify.check_files(path)
     template = {"model": model.sharded_state_dict(metadata=_read(path, dist_checkpointing.load_content_metadata))}
     stored = _read(path, load_sharded_metadata)
     verify.check_model_matches(path, template, stored, model_cfg, verify.saved_config(path))
+    return template
+
+
+@contextmanager
+def _quiet_loading():
+    """Silence torch's and megatron-core's own deprecation notices about their internals: nothing to act on."""
     with warnings.catch_warnings():
-        # torch's and megatron-core's own deprecation notices about their internals: nothing to act on
         warnings.filterwarnings("ignore", message=".*(deprecating ShardedTensor|`load_state_dict` is deprecated)",
                                 category=FutureWarning)
-        loaded = _read(path, lambda p: dist_checkpointing.load(template, p))
-    model.load_state_dict(loaded["model"], strict=True)
+        yield
 
 
 def _read(path: Path, read):

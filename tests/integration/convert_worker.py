@@ -3,19 +3,23 @@
 Used by test_convert_hf.py. For each ``--tp`` size and each ``--ckpt NAME=DIR``, the model of the
 checkpoint's run_config.yaml is built for that layout, the checkpoint is loaded into it
 (megatron-core reshards it), and rank 0 writes the logits of the tokens in ``--tokens`` over the
-real vocabulary (padding rows dropped) to ``OUT/NAME_tp<N>.pt``. One launch serves every
+real vocabulary (padding rows dropped) to ``OUT/NAME_tp<N>.pt``. With ``--resave``, each
+checkpoint loaded at the largest size is saved again under ``OUT/NAME_tp<N>_saved`` in that
+layout (its tensors split across the ranks), for export to read back. One launch serves every
 checkpoint, since starting the processes costs far more than the models.
 """
 
 from __future__ import annotations
 
 import argparse
+import shutil
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from bridge_cli.checkpoint import layout
+from bridge_cli.checkpoint.save import RUN_CONFIG
 from bridge_cli.convert import mcore_io
 
 
@@ -25,6 +29,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--tp", type=int, nargs="+", default=[1])
+    parser.add_argument("--resave", action="store_true")
     args = parser.parse_args()
 
     tokens = torch.load(args.tokens)
@@ -44,7 +49,22 @@ def main() -> None:
                 logits = model(tokens, positions, None)
             if dist.get_rank() == 0:
                 torch.save(logits[..., : config.vocab_size].clone(), args.out / f"{name}_tp{tp}.pt")
+            if args.resave and tp == max(args.tp):
+                resave(model, path, args.out / f"{name}_tp{tp}_saved")
     dist.barrier()
+
+
+def resave(model, path: Path, root: Path) -> None:
+    """``model``'s weights as iteration 0 of ``root``, each rank writing its part, with ``path``'s run_config."""
+    from megatron.core import dist_checkpointing
+
+    folder = root / "iter_0000000"
+    if dist.get_rank() == 0:
+        folder.mkdir(parents=True)
+        shutil.copy(path / RUN_CONFIG, folder / RUN_CONFIG)
+        layout.write_tracker(root, 0)
+    dist.barrier()
+    dist_checkpointing.save({"model": model.sharded_state_dict()}, str(folder))
 
 
 if __name__ == "__main__":

@@ -1,10 +1,11 @@
-"""`bridge convert-ckpt`: Hugging Face Llama / Mistral / Qwen2 <-> megatron-core, numerically exact.
+"""`bridge convert-ckpt`: every Hugging Face family <-> megatron-core, numerically exact.
 
-Tiny random fp32 models are built with transformers and imported through the real CLI; megatron-core
-loads the checkpoints at TP=1 and, resharding them, at TP=2 (torchrun, gloo) and must reproduce
-transformers' logits. Exports load in transformers with no missing or unexpected keys, round-trip
-bitwise, and carry what `bridge pretrain` trained (on two pipeline stages). Bad inputs fail with exit code 2, a message
-naming the file or tensor, and no output folder.
+One table (MODELS) holds a tiny random fp32 model per family, built with transformers and imported
+through the real CLI; megatron-core loads the checkpoints at TP=1 and, resharding them, at TP=2 (one
+torchrun launch, gloo) and must reproduce transformers' logits. Exports load in transformers with no
+missing or unexpected keys, round-trip bitwise, and carry what `bridge pretrain` trained (on two
+pipeline stages). Bad inputs fail with exit code 2, a message naming the file or tensor, and no
+output folder.
 """
 
 from __future__ import annotations
@@ -40,7 +41,15 @@ MODELS = {
     # biases on q/k/v, tied embeddings
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(vocab_size=512, rope_theta=1000000.0,
                                                       tie_word_embeddings=True), None),
+    # per-head q/k RMSNorm, head_dim (32) other than hidden/heads (16)
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(vocab_size=640, head_dim=32, rope_theta=1000000.0,
+                                                      tie_word_embeddings=False), None),
+    # fused qkv_proj and gate_up_proj, RoPE on half of each head, a window that caps seq_length
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(vocab_size=576, partial_rotary_factor=0.5, sliding_window=64,
+                                                   eos_token_id=2, pad_token_id=None, tie_word_embeddings=False), None),
 }
+EXPORT_ARGS = {"mistral": ["--model-type", "mistral"]}
+"""export-hf picks the family from the model; a Mistral (without its window, a Llama) must be named."""
 
 
 def hf_model(name: str):
@@ -137,11 +146,12 @@ def mcore_logits(work, imported, trained) -> dict[tuple[str, int], torch.Tensor]
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     ok(subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                        str(WORKER), "--ckpt", *checkpoints, "--tokens", str(work / "tokens.pt"), "--out", str(out),
-                       "--tp", "1", "2"], env=env, capture_output=True, text=True, timeout=600, cwd=REPO))
+                       "--tp", "1", "2", "--resave"], env=env, capture_output=True, text=True, timeout=600, cwd=REPO))
     return {(file.stem.rsplit("_tp", 1)[0], int(file.stem.rsplit("_tp", 1)[1])): torch.load(file)
             for file in out.glob("*.pt")}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("name", list(MODELS))
 def test_imported_model_reproduces_transformers_logits(name, tp, hf_dirs, mcore_logits):
@@ -164,12 +174,15 @@ def test_import_writes_a_checkpoint_and_recipe_in_the_project_layout(imported):
         assert model["add_qkv_bias"] == (name == "qwen2")
         assert model["share_embeddings_and_output_weights"] == (name == "qwen2")
         assert model["rope_scaling"] == (name == "llama")
+        assert model["qk_layernorm"] == (name == "qwen3")
+        assert model["rotary_percent"] == (0.5 if name == "phi3" else 1.0)
+        assert model["seq_length"] == (64 if name == "phi3" else 128)  # capped at phi3's sliding window
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2"])
+@pytest.mark.parametrize("name", list(MODELS))
 def test_round_trip_gives_identical_tensors(name, work, hf_dirs, imported, tokens):
     out = work / f"roundtrip_{name}"
-    ok(bridge("convert-ckpt", "export-hf", str(imported[name]), str(out)))
+    ok(bridge("convert-ckpt", "export-hf", str(imported[name]), str(out), *EXPORT_ARGS.get(name, [])))
     original, exported = safetensors_of(hf_dirs[name]), safetensors_of(out)
     assert sorted(exported) == sorted(original)
     for key, tensor in original.items():
@@ -178,6 +191,19 @@ def test_round_trip_gives_identical_tensors(name, work, hf_dirs, imported, token
     assert torch.equal(hf_logits(out, tokens), torch.load(reference(hf_dirs[name])))
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["qwen2", "phi3"])
+def test_export_reads_a_checkpoint_saved_with_tensor_parallelism(name, work, hf_dirs, mcore_logits):
+    """Saved at TP=2, every tensor is split in two chunks; export reads each layer's region across them."""
+    out = work / f"from_tp2_{name}"
+    ok(bridge("convert-ckpt", "export-hf", str(work / "logits" / f"{name}_tp2_saved"), str(out)))
+    original, exported = safetensors_of(hf_dirs[name]), safetensors_of(out)
+    assert sorted(exported) == sorted(original)
+    for key, tensor in original.items():
+        assert torch.equal(exported[key], tensor), key
+
+
+@pytest.mark.slow
 def test_export_after_training_carries_the_trained_weights(work, hf_dirs, trained, mcore_logits, tokens):
     out = work / "trained_hf"
     ok(bridge("convert-ckpt", "export-hf", str(trained), str(out), "--max-shard-size", "300KB"))
@@ -235,6 +261,13 @@ def truncate(file: Path) -> None:
     (lambda f: truncate(f / "model.safetensors"), [], ["model.safetensors: not a readable safetensors file"]),
     (lambda f: (f / "model.safetensors").unlink(), [], ["holds no *.safetensors file"]),
     (lambda f: edit_config(f, rope_scaling={"rope_type": "yarn", "factor": 4.0}), [], ["RoPE scaling 'yarn'"]),
+    (lambda f: edit_config(f, model_type="qwen3_moe"), [],
+     ["model_type 'qwen3_moe' is not supported", "Supported: llama, mistral, qwen2, qwen3, phi3"]),
+    (lambda f: edit_config(f, model_type="phi3", rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 8,
+                                                               "long_factor": [2.0] * 8}), [],
+     ["RoPE scaling 'longrope'", "LongRoPE (Phi-3 128k"]),
+    (lambda f: edit_config(f, model_type="qwen3", attention_bias=True), [], ["attention_bias: a Qwen3 with it"]),
+    (lambda f: edit_config(f, model_type="phi3", partial_rotary_factor=1.5), [], ["partial_rotary_factor 1.5"]),
     # fails after the output folder was started: megatron-core refuses 4 heads over TP=3
     (lambda f: None, ["--tp", "3"], ["megatron-core rejected"]),
     (lambda f: None, ["--seq-length", "4096"], ["--seq-length: 4096 is longer than the model supports (128"]),
@@ -271,3 +304,19 @@ def test_export_refuses_a_model_transformers_cannot_hold(cli, imported, tmp_path
     assert "model.normalization=LayerNorm" in result.stderr and not (tmp_path / "out").exists()
     empty = cli("convert-ckpt", "export-hf", str(tmp_path / "nothing"), str(tmp_path / "out"))
     assert empty.exit_code == 2 and "no checkpoint there" in empty.stderr
+
+
+def test_export_refuses_a_family_that_cannot_hold_the_model(cli, imported, tmp_path):
+    result = cli("convert-ckpt", "export-hf", str(imported["qwen2"]), str(tmp_path / "out"), "--model-type", "llama")
+    assert result.exit_code == 2 and "a llama model cannot hold this checkpoint's model" in result.stderr
+    assert "model.add_qkv_bias=True" in result.stderr and not (tmp_path / "out").exists()
+    unknown = cli("convert-ckpt", "export-hf", str(imported["qwen2"]), str(tmp_path / "out"), "--model-type", "gpt2")
+    assert unknown.exit_code == 2 and "--model-type: 'gpt2' is not a family" in unknown.stderr
+
+
+def test_families_lists_every_family_with_its_limits(cli):
+    result = cli("convert-ckpt", "families")
+    assert result.exit_code == 0
+    lines = result.stdout.splitlines()
+    assert [line.split()[0] for line in lines] == list(MODELS)
+    assert all("Limits: " in line for line in lines)

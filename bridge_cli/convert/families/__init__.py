@@ -1,0 +1,68 @@
+"""The Hugging Face families bridge converts: one module each (config mapping + tensor map), and
+the registry that `import-hf`, `export-hf` and `families` use. No torch import.
+
+Import picks the family by config.json's ``model_type``. Export takes ``--model-type`` or picks
+the first family, in registry order, whose fixed fields the checkpoint's model has (Mistral
+never: a Mistral without its sliding window is the identical Llama).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+from bridge_cli.checkpoint.errors import CheckpointError
+from bridge_cli.config.errors import ConfigError
+from bridge_cli.convert.families.llama import Llama
+from bridge_cli.convert.families.llama_like import LlamaLike
+from bridge_cli.convert.families.mistral import Mistral
+from bridge_cli.convert.families.phi3 import Phi3
+from bridge_cli.convert.families.qwen2 import Qwen2
+from bridge_cli.convert.families.qwen3 import Qwen3
+from bridge_cli.convert.hf_config import unsupported
+
+FAMILIES: dict[str, LlamaLike] = {family.model_type: family
+                                  for family in (Llama(), Mistral(), Qwen2(), Qwen3(), Phi3())}
+"""model_type -> its family, in the order export tries them."""
+
+INFERRED = ("llama", "qwen2", "qwen3", "phi3")
+"""The families export picks without --model-type."""
+
+
+def supported() -> str:
+    """'llama, mistral, ...' for error messages."""
+    return ", ".join(FAMILIES)
+
+
+def for_import(hf: Mapping[str, Any], where: Path) -> LlamaLike:
+    """The family of config.json ``hf`` (read from ``where``), or a CheckpointError listing the supported ones."""
+    model_type = hf.get("model_type")
+    if model_type not in FAMILIES:
+        unsupported(where, f"model_type {model_type!r} is not supported",
+                    f"Supported: {supported()} (`bridge convert-ckpt families` lists what each covers).")
+    return FAMILIES[model_type]
+
+
+def for_export(model: Mapping[str, Any], model_type: Optional[str], where: Path) -> LlamaLike:
+    """The family to write the model (its ``model:`` YAML values, from checkpoint ``where``) as."""
+    if model_type is not None:
+        if model_type not in FAMILIES:
+            raise ConfigError("--model-type", f"{model_type!r} is not a family bridge converts.",
+                              f"Choose one of {supported()}.")
+        different = FAMILIES[model_type].differences(model)
+        if different:
+            raise CheckpointError(f"{where}: a {model_type} model cannot hold this checkpoint's model, which has "
+                                  f"{', '.join(different)}. Export without --model-type to pick the family it fits.")
+        return FAMILIES[model_type]
+    for name in INFERRED:
+        if not FAMILIES[name].differences(model):
+            return FAMILIES[name]
+    raise CheckpointError(
+        f"{where}: export-hf writes Llama-style models ({supported()}: RMSNorm, SwiGLU, RoPE, no linear biases "
+        f"except Qwen2's on q/k/v), and this checkpoint's model has {', '.join(FAMILIES['llama'].differences(model))}.")
+
+
+def listing() -> list[str]:
+    """One line per family: model_type, what it covers, what it refuses."""
+    width = max(map(len, FAMILIES))
+    return [f"{name:<{width}}  {family.models}. Limits: {family.limits}." for name, family in FAMILIES.items()]

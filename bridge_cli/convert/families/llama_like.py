@@ -1,0 +1,183 @@
+"""The Llama layout that llama, mistral, qwen2, qwen3 and phi3 share: config mapping and tensor map.
+
+All are megatron-core GPTModels with RMSNorm, SwiGLU, RoPE and grouped-query attention. A family
+is a subclass of :class:`LlamaLike` that changes only what differs from Llama (biases on q/k/v,
+per-head q/k norms, fused projections, a sliding window, its own config.json keys). No torch import.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+from bridge_cli.convert import hf_config
+from bridge_cli.convert.hf_config import LLAMA3_ROPE_FIXED, unsupported
+from bridge_cli.convert.hf_weights import Architecture, Layout, Pair
+
+LLAMA_STYLE = {
+    "normalization": "RMSNorm", "activation_func": "silu", "gated_linear_unit": True, "add_bias_linear": False,
+    "position_embedding_type": "rope", "rotary_percent": 1.0, "rotary_interleaved": False,
+    "seq_len_interpolation_factor": None, "qk_layernorm": False, "num_moe_experts": None,
+    "multi_latent_attention": False, "layernorm_zero_centered_gamma": False,
+    "apply_residual_connection_post_layernorm": False,
+}
+"""The model fields every family here fixes (the shapes aside), unless it overrides one."""
+
+
+class LlamaLike:
+    """One Hugging Face family of the Llama layout. Subclasses set the attributes and override the hooks."""
+
+    model_type = "llama"
+    """config.json's ``model_type``."""
+    architecture = "LlamaForCausalLM"
+    """The transformers class an exported folder is loaded with."""
+    models = "Llama 2, 3, 3.1, 3.2; tied or untied embeddings; Llama 3.1 RoPE scaling"
+    """What the family covers, for `bridge convert-ckpt families`."""
+    limits = "refuses attention_bias/mlp_bias and RoPE scalings other than llama3"
+    """What its import refuses, for `bridge convert-ckpt families`."""
+    rope_hint = ""
+    """Why this family's other RoPE scalings cannot be expressed (starts the refusal's hint)."""
+    fixed = {**LLAMA_STYLE, "add_qkv_bias": False}
+    """The model fields this family fixes; export refuses a checkpoint whose model differs."""
+
+    # config.json -> model fields
+
+    def model_fields(self, hf: Mapping[str, Any], where: Path, seq_length: Optional[int] = None) -> dict[str, Any]:
+        """The recipe's ``model:`` fields for config.json ``hf`` (read from ``where``).
+
+        ``seq_length`` overrides the default (max_position_embeddings capped at
+        DEFAULT_MAX_SEQ_LENGTH and at a sliding window). Raises CheckpointError for what
+        megatron-core cannot build exactly.
+        """
+        get = hf_config.getter(hf, where)
+        heads = get("num_attention_heads")
+        groups = hf.get("num_key_value_heads") or heads
+        if heads % groups:
+            unsupported(where, f"num_attention_heads ({heads}) is not a multiple of num_key_value_heads ({groups})")
+        if hf.get("hidden_act", "silu") != "silu":
+            unsupported(where, f"hidden_act {hf['hidden_act']!r}: the {self.model_type} family uses silu")
+        self.check(hf, where)
+        theta, scaling = hf_config.rope(hf, where, self.rope_hint)
+        return {
+            "num_layers": get("num_hidden_layers"),
+            "hidden_size": get("hidden_size"),
+            "ffn_hidden_size": get("intermediate_size"),
+            "num_attention_heads": heads,
+            "num_query_groups": groups,
+            "kv_channels": hf.get("head_dim") or get("hidden_size") // heads,
+            "vocab_size": get("vocab_size"),
+            # Megatron pads the embedding to a multiple of this (times TP); a power of two that divides
+            # the vocabulary keeps it unpadded at TP=1, so the checkpoint holds exactly HF's rows.
+            "make_vocab_size_divisible_by": min(128, get("vocab_size") & -get("vocab_size")),
+            "seq_length": hf_config.seq_length(hf, where, seq_length, self.window(hf)),
+            "share_embeddings_and_output_weights": bool(hf.get("tie_word_embeddings", False)),
+            "normalization": "RMSNorm",
+            "layernorm_epsilon": float(hf.get("rms_norm_eps", 1e-6)),
+            "activation_func": "silu",
+            "gated_linear_unit": True,
+            "add_bias_linear": False,
+            "add_qkv_bias": self.fixed["add_qkv_bias"],
+            "qk_layernorm": self.fixed["qk_layernorm"],
+            "position_embedding_type": "rope",
+            "rotary_percent": self.rotary_percent(hf, where),
+            "rotary_base": theta,
+            "rope_scaling": scaling is not None,
+            "rope_scaling_factor": scaling if scaling is not None else 8.0,
+            "hidden_dropout": 0.0,
+            "attention_dropout": float(hf.get("attention_dropout", 0.0)),
+            "init_method_std": float(hf.get("initializer_range", 0.02)),
+        }
+
+    def check(self, hf: Mapping[str, Any], where: Path) -> None:
+        """Refuse config.json settings this family's megatron-core model cannot express."""
+        if hf.get("attention_bias") or hf.get("mlp_bias"):
+            unsupported(where, "attention_bias/mlp_bias: megatron-core's Llama has no biases on o_proj and the MLP")
+
+    def window(self, hf: Mapping[str, Any]) -> Optional[int]:
+        """A sliding window that caps model.seq_length (None: full attention at every length)."""
+        return None
+
+    def rotary_percent(self, hf: Mapping[str, Any], where: Path) -> float:
+        """The fraction of each head that RoPE rotates."""
+        return 1.0
+
+    # model fields -> config.json
+
+    def differences(self, model: Mapping[str, Any]) -> list[str]:
+        """``model.KEY=VALUE`` for each fixed field that the model (YAML values) sets otherwise."""
+        # a field this megatron-core lacks cannot hold another value
+        return [f"model.{key}={model[key]}" for key, value in self.fixed.items()
+                if key in model and model[key] != value]
+
+    def hf_config(self, model: Mapping[str, Any]) -> dict[str, Any]:
+        """The config.json of the model given by its ``model:`` YAML values."""
+        return {
+            "architectures": [self.architecture],
+            "model_type": self.model_type,
+            "vocab_size": model["vocab_size"],
+            "hidden_size": model["hidden_size"],
+            "intermediate_size": model["ffn_hidden_size"],
+            "num_hidden_layers": model["num_layers"],
+            "num_attention_heads": model["num_attention_heads"],
+            "num_key_value_heads": model["num_query_groups"],
+            "head_dim": model["kv_channels"],
+            "max_position_embeddings": model["seq_length"],
+            "rms_norm_eps": model["layernorm_epsilon"],
+            "hidden_act": "silu",
+            "rope_theta": float(model["rotary_base"]),
+            "rope_scaling": ({"rope_type": "llama3", "factor": float(model["rope_scaling_factor"]),
+                              **LLAMA3_ROPE_FIXED} if model["rope_scaling"] else None),
+            "tie_word_embeddings": bool(model["share_embeddings_and_output_weights"]),
+            "attention_dropout": model["attention_dropout"],
+            "initializer_range": model["init_method_std"],
+            "torch_dtype": model["params_dtype"],
+            **self.hf_extras(model),
+        }
+
+    def hf_extras(self, model: Mapping[str, Any]) -> dict[str, Any]:
+        """config.json keys of this family alone."""
+        return {"attention_bias": False, "mlp_bias": False}
+
+    # tensors
+
+    def pairs(self, arch: Architecture) -> list[Pair]:
+        """Every parameter of the model, in the order a Hugging Face checkpoint lists them."""
+        h, v = arch.hidden_size, arch.vocab_size
+        out = [Pair("embedding.word_embeddings.weight", (("model.embed_tokens.weight", (v, h)),), Layout.VOCAB)]
+        for i in range(arch.num_layers):
+            m, p = f"decoder.layers.{i}.", f"model.layers.{i}."
+            out += [Pair(m + "input_layernorm.weight", ((p + "input_layernorm.weight", (h,)),))]
+            out += self.attention_pairs(arch, m + "self_attention.", p + "self_attn.")
+            out += [Pair(m + "pre_mlp_layernorm.weight", ((p + "post_attention_layernorm.weight", (h,)),))]
+            out += self.mlp_pairs(arch, m + "mlp.", p + "mlp.")
+        out.append(Pair("decoder.final_layernorm.weight", (("model.norm.weight", (h,)),)))
+        if not arch.tied:
+            out.append(Pair("output_layer.weight", (("lm_head.weight", (v, h)),), Layout.VOCAB))
+        return out
+
+    def attention_pairs(self, arch: Architecture, m: str, p: str) -> list[Pair]:
+        """One layer's attention: megatron-core names under ``m``, Hugging Face's under ``p``."""
+        h = arch.hidden_size
+        q_rows, kv_rows, _ = arch.qkv_rows
+        out = [Pair(m + "linear_qkv.weight", ((p + "q_proj.weight", (q_rows, h)), (p + "k_proj.weight", (kv_rows, h)),
+                                              (p + "v_proj.weight", (kv_rows, h))), Layout.QKV)]
+        if arch.qkv_bias:
+            out.append(Pair(m + "linear_qkv.bias", ((p + "q_proj.bias", (q_rows,)), (p + "k_proj.bias", (kv_rows,)),
+                                                    (p + "v_proj.bias", (kv_rows,))), Layout.QKV))
+        if arch.qk_norm:
+            out += [Pair(m + "q_layernorm.weight", ((p + "q_norm.weight", (arch.kv_channels,)),)),
+                    Pair(m + "k_layernorm.weight", ((p + "k_norm.weight", (arch.kv_channels,)),))]
+        return out + [Pair(m + "linear_proj.weight", ((p + "o_proj.weight", (h, q_rows)),))]
+
+    def mlp_pairs(self, arch: Architecture, m: str, p: str) -> list[Pair]:
+        """One layer's MLP: megatron-core names under ``m``, Hugging Face's under ``p``."""
+        h, f = arch.hidden_size, arch.ffn_hidden_size
+        return [Pair(m + "linear_fc1.weight", ((p + "gate_proj.weight", (f, h)), (p + "up_proj.weight", (f, h))),
+                     Layout.GATE_UP),
+                Pair(m + "linear_fc2.weight", ((p + "down_proj.weight", (h, f)),))]
+
+
+def full_attention_only(hf: Mapping[str, Any], where: Path) -> None:
+    """Refuse Qwen's sliding-window layers, which megatron-core's layers here do not compute."""
+    if hf.get("use_sliding_window") or any(kind != "full_attention" for kind in hf.get("layer_types") or []):
+        unsupported(where, "sliding-window layers (use_sliding_window / layer_types)")

@@ -1,0 +1,53 @@
+"""``phi3``: Llama's layout with q/k/v fused into ``qkv_proj`` and gate/up into ``gate_up_proj``."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional
+
+from bridge_cli.convert.families.llama_like import LlamaLike
+from bridge_cli.convert.hf_config import unsupported
+from bridge_cli.convert.hf_weights import Architecture, Layout, Pair
+
+
+class Phi3(LlamaLike):
+    """Phi-3 text models with plain RoPE (the 4k ones; the 128k ones, Phi-3.5 and Phi-4-mini use LongRoPE).
+
+    ``qkv_proj`` is ``[q; k; v]``, split on import into megatron-core's per-group interleave and
+    fused again on export; ``gate_up_proj`` is ``[gate; up]``, which is megatron-core's
+    ``linear_fc1`` as it is. ``partial_rotary_factor`` is megatron-core's ``rotary_percent`` (both
+    rotate the first part of each head). A sliding window caps model.seq_length, as for Mistral.
+    """
+
+    model_type = "phi3"
+    architecture = "Phi3ForCausalLM"
+    models = "Phi-3-mini/medium 4k; fused qkv and gate_up, partial RoPE"
+    limits = ("refuses LongRoPE (the 128k models) and other RoPE scalings but llama3; "
+              "model.seq_length is capped at sliding_window")
+    rope_hint = ("LongRoPE (Phi-3 128k: per-dimension short/long factors switched by length) has no "
+                 "megatron-core counterpart. ")
+    fixed = {key: value for key, value in LlamaLike.fixed.items() if key != "rotary_percent"}
+
+    def window(self, hf: Mapping[str, Any]) -> Optional[int]:
+        return hf.get("sliding_window")
+
+    def rotary_percent(self, hf: Mapping[str, Any], where) -> float:
+        factor = (hf.get("rope_parameters") or {}).get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+        if not isinstance(factor, (int, float)) or not 0 < factor <= 1:
+            unsupported(where, f"partial_rotary_factor {factor!r}: a fraction in (0, 1] is needed")
+        return float(factor)
+
+    def hf_extras(self, model: Mapping[str, Any]) -> dict[str, Any]:
+        # megatron-core attends over the whole sequence; token ids belong to the tokenizer, and Phi-3's
+        # default pad id (32000) would not fit a smaller vocabulary
+        return {"sliding_window": None, "partial_rotary_factor": model["rotary_percent"], "pad_token_id": None}
+
+    def attention_pairs(self, arch: Architecture, m: str, p: str) -> list[Pair]:
+        q_rows, kv_rows, _ = arch.qkv_rows
+        h = arch.hidden_size
+        return [Pair(m + "linear_qkv.weight", ((p + "qkv_proj.weight", (q_rows + 2 * kv_rows, h)),), Layout.FUSED_QKV),
+                Pair(m + "linear_proj.weight", ((p + "o_proj.weight", (h, q_rows)),))]
+
+    def mlp_pairs(self, arch: Architecture, m: str, p: str) -> list[Pair]:
+        h, f = arch.hidden_size, arch.ffn_hidden_size
+        return [Pair(m + "linear_fc1.weight", ((p + "gate_up_proj.weight", (2 * f, h)),)),
+                Pair(m + "linear_fc2.weight", ((p + "down_proj.weight", (h, f)),))]
