@@ -11,6 +11,8 @@ import pytest
 from tests.conftest import REPO, _free_port, bridge
 from tests.integration.test_pretrain_cpu import SHORT, losses
 
+pytestmark = pytest.mark.slow
+
 
 def two_nodes(*args: str) -> list[subprocess.CompletedProcess]:
     endpoint = f"127.0.0.1:{_free_port()}"

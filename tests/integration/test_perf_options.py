@@ -8,6 +8,8 @@ import torch
 from tests.conftest import bridge, torchrun
 from tests.integration.test_pretrain_cpu import losses
 
+pytestmark = pytest.mark.slow
+
 RUN = ["recipe=tiny", "train.train_iters=6", "logger.log_interval=1", "train.eval_iters=0"]
 
 
