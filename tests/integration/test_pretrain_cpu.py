@@ -17,15 +17,6 @@ def losses(output: str) -> list[float]:
     return [float(loss) for _, loss in LOSS.findall(output)]
 
 
-@pytest.fixture(scope="module")
-def single_process_curve():
-    result = bridge("pretrain", *SHORT)
-    assert result.returncode == 0, result.stderr[-3000:]
-    curve = losses(result.stdout)
-    assert len(curve) == 12
-    return curve
-
-
 @pytest.mark.slow
 def test_tiny_recipe_trains_and_the_loss_falls():
     result = bridge("pretrain", "recipe=tiny")
