@@ -142,6 +142,7 @@ def mcore_logits(work, imported, trained) -> dict[tuple[str, int], torch.Tensor]
             for file in out.glob("*.pt")}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("name", list(MODELS))
 def test_imported_model_reproduces_transformers_logits(name, tp, hf_dirs, mcore_logits):
@@ -151,6 +152,7 @@ def test_imported_model_reproduces_transformers_logits(name, tp, hf_dirs, mcore_
     assert (got - expected).abs().max().item() < ATOL
 
 
+@pytest.mark.slow
 def test_import_writes_a_checkpoint_and_recipe_in_the_project_layout(imported):
     for name, folder in imported.items():
         assert (folder / "latest_checkpointed_iteration.txt").read_text() == "0"
@@ -166,6 +168,7 @@ def test_import_writes_a_checkpoint_and_recipe_in_the_project_layout(imported):
         assert model["rope_scaling"] == (name == "llama")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["llama", "qwen2"])
 def test_round_trip_gives_identical_tensors(name, work, hf_dirs, imported, tokens):
     out = work / f"roundtrip_{name}"
@@ -178,6 +181,7 @@ def test_round_trip_gives_identical_tensors(name, work, hf_dirs, imported, token
     assert torch.equal(hf_logits(out, tokens), torch.load(reference(hf_dirs[name])))
 
 
+@pytest.mark.slow
 def test_export_after_training_carries_the_trained_weights(work, hf_dirs, trained, mcore_logits, tokens):
     out = work / "trained_hf"
     ok(bridge("convert-ckpt", "export-hf", str(trained), str(out), "--max-shard-size", "300KB"))
@@ -188,6 +192,7 @@ def test_export_after_training_carries_the_trained_weights(work, hf_dirs, traine
     assert (logits - torch.load(reference(hf_dirs["llama"]))).abs().max().item() > 1e-3  # it trained
 
 
+@pytest.mark.slow
 def test_pretrain_from_a_hugging_face_folder_says_convert_first(hf_dirs):
     result = bridge("pretrain", "recipe=tiny", f"checkpoint.pretrained_checkpoint={hf_dirs['qwen2']}",
                     "train.train_iters=1")
@@ -250,6 +255,7 @@ def test_import_errors_name_the_problem_and_leave_no_output(cli, broken, tmp_pat
     assert not out.exists() and not (tmp_path / "out.incomplete").exists()
 
 
+@pytest.mark.slow
 def test_conversions_refuse_a_non_empty_output_folder(cli, hf_dirs, imported, tmp_path):
     out = tmp_path / "taken"
     out.mkdir()
@@ -261,6 +267,7 @@ def test_conversions_refuse_a_non_empty_output_folder(cli, hf_dirs, imported, tm
     assert [p.name for p in out.iterdir()] == ["notes.txt"]
 
 
+@pytest.mark.slow
 def test_export_refuses_a_model_transformers_cannot_hold(cli, imported, tmp_path):
     ckpt = tmp_path / "gpt"
     shutil.copytree(imported["mistral"], ckpt)
