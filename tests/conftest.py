@@ -15,13 +15,18 @@ REPO = Path(__file__).resolve().parent.parent
 
 @pytest.fixture
 def cli():
-    """Invoke the `bridge` Typer app in this process; returns click's Result (exit_code, stdout, stderr)."""
+    """Invoke the `bridge` Typer app in this process; returns click's Result (exit_code, stdout, stderr).
+
+    Config validation, --dry-run and errors raised before any process group exists behave here as
+    in a `bridge` process, without each test paying megatron-core's import again. ``env`` sets
+    environment variables for the one call.
+    """
     from bridge_cli.cli.app import app
 
     runner = CliRunner()
 
-    def invoke(*args: str):
-        return runner.invoke(app, list(args))
+    def invoke(*args: str, env: dict | None = None):
+        return runner.invoke(app, list(args), env=env)
 
     return invoke
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -31,10 +30,6 @@ RELEASE = "release"
 _ITER = re.compile(r"^iter_(\d{7,})$")
 _FINISHED = "metadata.json"  # megatron-core writes it after every shard
 _FOREIGN_SUFFIXES = {".distcp", ".safetensors", ".bin", ".pt", ".pth", ".json"}
-
-TEST_PAUSE_ENV = "BRIDGE_TEST_PAUSE_BEFORE_PUBLISH"
-"""Test-only: an iteration number. Rank 0 sleeps up to 120 s after that iteration's checkpoint is
-fully written and before it is renamed into place, so a test can kill -9 the run mid-save."""
 
 
 def iter_name(iteration: int) -> str:
@@ -103,7 +98,6 @@ def start(root: Path, iteration: int) -> Path:
 
 def publish(root: Path, iteration: int) -> Path:
     """Rename the finished ``.incomplete`` folder into place, then move the tracker to it."""
-    _pause_for_tests(iteration)
     final = checkpoint_dir(root, iteration)
     if final.exists():  # saved before, e.g. by a run that resumed from an older checkpoint
         replaced = final.with_name(final.name + ".replaced")
@@ -201,10 +195,3 @@ def find_checkpoint(root: Path, step: Optional[int] = None) -> Found:
 
 def _listing(iterations: list[int]) -> str:
     return ", ".join(map(str, iterations)) if iterations else "none"
-
-
-def _pause_for_tests(iteration: int) -> None:
-    wanted = os.environ.get(TEST_PAUSE_ENV)
-    if wanted and int(wanted) == iteration:
-        print(f"{TEST_PAUSE_ENV}: pausing before publishing {iter_name(iteration)}", flush=True)
-        time.sleep(120)

@@ -11,7 +11,7 @@ from tests.conftest import bridge
 from tests.integration.sft_setup import pretrained_base, write_sft_data
 from tests.integration.test_pretrain_cpu import losses
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
 
 def test_energy_and_timers_are_reported():

@@ -8,7 +8,7 @@ import pytest
 from tests.conftest import bridge
 from tests.integration.test_pretrain_cpu import losses
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
 RUN = ["recipe=tiny", "mixed_precision=bf16_mixed", "optimizer.use_distributed_optimizer=true",
        "train.train_iters=10", "logger.log_interval=1", "train.eval_iters=0"]

@@ -8,7 +8,7 @@ import torch
 from tests.conftest import bridge, torchrun
 from tests.integration.test_pretrain_cpu import losses
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
 SHORT = ["train.train_iters=20", "logger.log_interval=1", "train.eval_iters=1", "train.eval_interval=10"]
 

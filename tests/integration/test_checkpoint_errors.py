@@ -15,6 +15,8 @@ import pytest
 
 from tests.conftest import REPO, bridge
 
+pytestmark = pytest.mark.slow
+
 TINY = ["recipe=tiny", "train.eval_iters=0"]
 
 

@@ -17,6 +17,8 @@ import pytest
 
 from tests.conftest import run
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict[str, dict]:

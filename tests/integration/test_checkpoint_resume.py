@@ -22,7 +22,8 @@ from tests.conftest import REPO, bridge, run, torchrun
 
 ARGS = ["recipe=tiny", "train.train_iters=40", "logger.log_interval=1", "train.eval_iters=0"]
 LOSS = re.compile(r"^iteration\s+(\d+)/\d+ .*\| lm loss ([0-9.]+) ", re.M)
-PAUSE = "BRIDGE_TEST_PAUSE_BEFORE_PUBLISH"
+
+pytestmark = pytest.mark.slow
 
 
 def losses(output: str) -> dict[int, str]:
@@ -44,13 +45,15 @@ def iterations(root: Path) -> list[str]:
 
 
 def kill_when_paused(args: list[str], paused_dir: Path) -> str:
-    """Run `bridge pretrain` with the save at ``paused_dir`` held open, kill -9 it there; its stdout.
+    """Run `bridge pretrain` with the save at ``paused_dir`` held open (pause_before_publish.py), kill -9
+    it there; its stdout.
 
     The whole process group is killed, as a scheduler kills a job: megatron-core's checkpoint writer
     leaves helper processes (a multiprocessing manager) that would otherwise outlive the run.
     """
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", PAUSE: str(int(paused_dir.name[5:12]))}
-    proc = subprocess.Popen([sys.executable, "-m", "bridge_cli", "pretrain", *args], cwd=REPO, env=env,
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "tests.integration.pause_before_publish",
+                             str(int(paused_dir.name[5:12])), "pretrain", *args], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.time() + 120
     while not (paused_dir / "run_config.yaml").exists():  # written last, just before the rename

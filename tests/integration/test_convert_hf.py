@@ -161,6 +161,7 @@ def test_imported_model_reproduces_transformers_logits(name, tp, hf_dirs, mcore_
     assert (got - expected).abs().max().item() < ATOL
 
 
+@pytest.mark.slow
 def test_import_writes_a_checkpoint_and_recipe_in_the_project_layout(imported):
     for name, folder in imported.items():
         assert (folder / "latest_checkpointed_iteration.txt").read_text() == "0"
@@ -179,6 +180,7 @@ def test_import_writes_a_checkpoint_and_recipe_in_the_project_layout(imported):
         assert model["seq_length"] == (64 if name == "phi3" else 128)  # capped at phi3's sliding window
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(MODELS))
 def test_round_trip_gives_identical_tensors(name, work, hf_dirs, imported, tokens):
     out = work / f"roundtrip_{name}"
@@ -214,6 +216,7 @@ def test_export_after_training_carries_the_trained_weights(work, hf_dirs, traine
     assert (logits - torch.load(reference(hf_dirs["llama"]))).abs().max().item() > 1e-3  # it trained
 
 
+@pytest.mark.slow
 def test_pretrain_from_a_hugging_face_folder_says_convert_first(hf_dirs):
     result = bridge("pretrain", "recipe=tiny", f"checkpoint.pretrained_checkpoint={hf_dirs['qwen2']}",
                     "train.train_iters=1")
@@ -283,6 +286,7 @@ def test_import_errors_name_the_problem_and_leave_no_output(cli, broken, tmp_pat
     assert not out.exists() and not (tmp_path / "out.incomplete").exists()
 
 
+@pytest.mark.slow
 def test_conversions_refuse_a_non_empty_output_folder(cli, hf_dirs, imported, tmp_path):
     out = tmp_path / "taken"
     out.mkdir()
@@ -294,6 +298,7 @@ def test_conversions_refuse_a_non_empty_output_folder(cli, hf_dirs, imported, tm
     assert [p.name for p in out.iterdir()] == ["notes.txt"]
 
 
+@pytest.mark.slow
 def test_export_refuses_a_model_transformers_cannot_hold(cli, imported, tmp_path):
     ckpt = tmp_path / "gpt"
     shutil.copytree(imported["mistral"], ckpt)

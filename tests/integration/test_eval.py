@@ -15,6 +15,7 @@ def base(tmp_path_factory):
     return pretrained_base(tmp_path_factory.getbasetemp())
 
 
+@pytest.mark.slow
 def test_eval_reports_the_training_runs_validation_loss(base, tmp_path):
     checkpoint, training_log = base
     trained = float(VALIDATION_AT_20.search(training_log).group(1))
@@ -28,6 +29,7 @@ def test_eval_reports_the_training_runs_validation_loss(base, tmp_path):
     assert f"{report['splits']['validation']['lm loss']:.6f}" in result.stdout  # the table
 
 
+@pytest.mark.slow
 def test_eval_reshards_a_checkpoint_to_another_tensor_parallel_layout(base, tmp_path):
     checkpoint, training_log = base
     trained = float(VALIDATION_AT_20.search(training_log).group(1))

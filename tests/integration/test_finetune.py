@@ -10,6 +10,8 @@ import pytest
 from tests.conftest import bridge, run, torchrun
 from tests.integration.sft_setup import pretrained_base, write_sft_data
 
+pytestmark = pytest.mark.slow
+
 LOSS = re.compile(r"^iteration\s+(\d+)/\d+ .*\| lm loss ([0-9.]+) ", re.M)
 # Prompt and answer are under 20 tokens: rows of 64, one micro-batch of 8.
 SFT = ["recipe=tiny_sft", "model.seq_length=64", "train.micro_batch_size=8"]

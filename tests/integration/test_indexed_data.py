@@ -9,6 +9,8 @@ import torch
 from tests.conftest import bridge
 from tests.integration.test_pretrain_cpu import losses
 
+pytestmark = pytest.mark.slow
+
 
 def write_indexed_dataset(prefix: str, documents: int, seed: int, vocab: int = 1000) -> None:
     """Documents of a learnable pattern (each token = previous + step, mod vocab), end-of-document last."""

@@ -30,6 +30,7 @@ def logged_run(tmp_path_factory):
     return tb, result.stdout, tracking
 
 
+@pytest.mark.slow
 def test_tensorboard_holds_the_reference_scalars(logged_run):
     from bridge_cli.logging.plot import read_scalars
 
@@ -43,6 +44,7 @@ def test_tensorboard_holds_the_reference_scalars(logged_run):
     assert [step for step, _ in scalars["lm loss validation"]] == [6, 12, 12]  # twice in training, once at the end
 
 
+@pytest.mark.slow
 def test_timers_l2_norms_and_runtime_reach_tensorboard(logged_run):
     from bridge_cli.logging.plot import read_scalars
 
@@ -58,6 +60,7 @@ def test_timers_l2_norms_and_runtime_reach_tensorboard(logged_run):
     assert all(0 < norm <= 1.0 + 1e-4 for _, norm in scalars["l2_norm/grad/global"])
 
 
+@pytest.mark.slow
 def test_timer_block_follows_each_log_line(logged_run):
     _, out, _ = logged_run
     block = re.search(r"^iteration  4/12 .*\n\(min, max\) time across ranks \(ms\):\n((?:    .*\n)+)", out, re.M)
@@ -67,6 +70,7 @@ def test_timer_block_follows_each_log_line(logged_run):
     assert float(timed["forward-backward"]) >= float(timed["forward-compute"]) > 0
 
 
+@pytest.mark.slow
 def test_metrics_reach_mlflow_and_comet(logged_run):
     import json
     import os
@@ -86,16 +90,19 @@ def test_metrics_reach_mlflow_and_comet(logged_run):
     assert {"lm loss", "grad-norm", "learning-rate"} <= logged, sorted(logged)
 
 
+@pytest.mark.slow
 def test_params_norm_is_in_the_log_line(logged_run):
     _, out, _ = logged_run
     assert re.search(r"^iteration  4/12 .*\| params norm [0-9.]+ \|", out, re.M)
 
 
+@pytest.mark.slow
 def test_pytorch_profiler_writes_a_trace(logged_run):
     tb, *_ = logged_run
     assert list(tb.rglob("*.pt.trace.json*")), list(tb.iterdir())
 
 
+@pytest.mark.slow
 def test_plot_writes_a_png(logged_run, tmp_path):
     tb, *_ = logged_run
     out = tmp_path / "run.png"
@@ -104,9 +111,9 @@ def test_plot_writes_a_png(logged_run, tmp_path):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
 
 
-def test_plot_without_logs_is_a_clear_error(tmp_path):
-    result = bridge("plot", str(tmp_path))
-    assert result.returncode == 2 and "no TensorBoard scalars" in result.stderr
+def test_plot_without_logs_is_a_clear_error(cli, tmp_path):
+    result = cli("plot", str(tmp_path))
+    assert result.exit_code == 2 and "no TensorBoard scalars" in result.stderr
 
 
 def test_log_line_numbers_from_known_step_times(capsys):
@@ -128,6 +135,7 @@ def test_log_line_numbers_from_known_step_times(capsys):
     assert "ETA 0:00:18" in line  # 90 iterations left at 200 ms
 
 
+@pytest.mark.slow
 def test_progress_log_continues_across_a_resume(tmp_path):
     args = ["pretrain", "recipe=tiny", f"checkpoint.save={tmp_path}", "checkpoint.save_interval=5",
             "logger.log_progress=true", "train.eval_iters=0", "scheduler.lr_warmup_fraction=null",
@@ -143,6 +151,7 @@ def test_progress_log_continues_across_a_resume(tmp_path):
     assert flops == sorted(flops) and flops[-1] == pytest.approx(4 * flops[0], rel=0.01)
 
 
+@pytest.mark.slow
 def test_two_ranks_time_each_rank_and_reduce_gradient_norms(tmp_path):
     """TP=2: the 'all' option lists both ranks; the global gradient norm over the model-parallel
     group equals the optimizer's grad norm (no clipping at clip_grad=100)."""
@@ -160,8 +169,8 @@ def test_two_ranks_time_each_rank_and_reduce_gradient_norms(tmp_path):
         assert global_norm == pytest.approx(grad_norm, rel=1e-4)
 
 
-def test_energy_logging_on_the_cpu_is_a_clear_error():
-    result = bridge("pretrain", "recipe=tiny", "logger.log_energy=true")
-    assert result.returncode == 2, result.stderr[-2000:]
+def test_energy_logging_on_the_cpu_is_a_clear_error(cli):
+    result = cli("pretrain", "recipe=tiny", "logger.log_energy=true")  # refused before any process group exists
+    assert result.exit_code == 2, result.stderr[-2000:]
     assert "logger.log_energy=true" in result.stderr and "CUDA" in result.stderr
     assert "Traceback" not in result.stderr

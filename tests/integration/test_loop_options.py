@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from tests.conftest import bridge, torchrun
 from tests.integration.test_pretrain_cpu import losses
+
+pytestmark = pytest.mark.slow
 
 
 def test_nan_gradients_stop_the_run_naming_the_iteration():

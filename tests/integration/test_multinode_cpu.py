@@ -8,8 +8,10 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO, _free_port, bridge
+from tests.conftest import REPO, _free_port
 from tests.integration.test_pretrain_cpu import SHORT, losses
+
+pytestmark = pytest.mark.slow
 
 
 def two_nodes(*args: str) -> list[subprocess.CompletedProcess]:
@@ -26,20 +28,13 @@ def two_nodes(*args: str) -> list[subprocess.CompletedProcess]:
     return results
 
 
-@pytest.fixture(scope="module")
-def one_process_curve():
-    result = bridge("pretrain", *SHORT)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return losses(result.stdout)
-
-
 @pytest.mark.parametrize("layout", [[], ["model.tensor_model_parallel_size=2"]], ids=["dp2", "tp2"])
-def test_two_nodes_match_one_process(one_process_curve, layout):
+def test_two_nodes_match_one_process(single_process_curve, layout):
     results = two_nodes(*SHORT, *layout)
     for result in results:
         assert result.returncode == 0, result.stderr[-3000:]
     logging_node = next(r for r in results if "iteration" in r.stdout)  # the last rank's node prints
-    assert losses(logging_node.stdout) == pytest.approx(one_process_curve, rel=1e-4)
+    assert losses(logging_node.stdout) == pytest.approx(single_process_curve, rel=1e-4)
     expected = "tensor-parallel groups: [0,1]" if layout else "data-parallel groups: [0,1]"
     assert expected in logging_node.stdout
 

@@ -8,11 +8,18 @@ import torch
 from tests.conftest import bridge, torchrun
 from tests.integration.test_pretrain_cpu import losses
 
+pytestmark = pytest.mark.slow
+
 RUN = ["recipe=tiny", "train.train_iters=6", "logger.log_interval=1", "train.eval_iters=0"]
 
 
-def test_compiled_layers_and_loss_train_like_eager_and_save_the_same_checkpoint(tmp_path):
-    eager = bridge("pretrain", *RUN)
+@pytest.fixture(scope="module")
+def eager():
+    """The eager run every compiled run is compared with."""
+    return bridge("pretrain", *RUN)
+
+
+def test_compiled_layers_and_loss_train_like_eager_and_save_the_same_checkpoint(eager, tmp_path):
     compiled = bridge("pretrain", *RUN, "model.compile_layers=true", f"checkpoint.save={tmp_path}",
                       "checkpoint.save_interval=3", env={"TORCH_LOGS": "dynamo,graph_breaks,recompiles"})
     assert eager.returncode == 0 and compiled.returncode == 0, compiled.stderr[-3000:]
@@ -37,17 +44,15 @@ def test_a_backend_the_cpu_lacks_is_refused_in_one_paragraph():
     assert "model.sdpa_backend=auto" in result.stderr
 
 
-def test_compiled_layers_with_full_activation_recompute_match_eager():
-    eager = bridge("pretrain", *RUN)
+def test_compiled_layers_with_full_activation_recompute_match_eager(eager):
     compiled = bridge("pretrain", *RUN, "model.compile_layers=true", "model.recompute_granularity=full",
                       "model.recompute_method=uniform", "model.recompute_num_layers=1")
     assert compiled.returncode == 0, compiled.stderr[-3000:]
     assert losses(compiled.stdout) == pytest.approx(losses(eager.stdout), rel=1e-3)
 
 
-def test_compiled_layers_and_loss_under_tensor_parallelism_match_one_process():
+def test_compiled_layers_and_loss_under_tensor_parallelism_match_one_process(eager):
     # the compiled loss holds the vocab-parallel cross entropy's all-reduces
-    eager = bridge("pretrain", *RUN)
     compiled = torchrun(2, "pretrain", *RUN, "model.tensor_model_parallel_size=2",
                         "model.compile_layers=true")
     assert compiled.returncode == 0, compiled.stderr[-3000:]

@@ -52,6 +52,7 @@ def read_documents(prefix) -> list[list[int]]:
     return [data[i].tolist() for i in range(len(data))]
 
 
+@pytest.mark.slow
 def test_preprocess_the_stdlib_then_pretrain_on_a_blend_and_validation_loss_falls(cli, corpus, tmp_path):
     from bridge_cli.config.data_configs import TokenizerConfig
     from bridge_cli.data.tokenizers import build_tokenizer

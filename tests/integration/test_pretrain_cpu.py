@@ -17,15 +17,7 @@ def losses(output: str) -> list[float]:
     return [float(loss) for _, loss in LOSS.findall(output)]
 
 
-@pytest.fixture(scope="module")
-def single_process_curve():
-    result = bridge("pretrain", *SHORT)
-    assert result.returncode == 0, result.stderr[-3000:]
-    curve = losses(result.stdout)
-    assert len(curve) == 12
-    return curve
-
-
+@pytest.mark.slow
 def test_tiny_recipe_trains_and_the_loss_falls():
     result = bridge("pretrain", "recipe=tiny")
     assert result.returncode == 0, result.stderr[-3000:]
@@ -40,6 +32,7 @@ def test_tiny_recipe_trains_and_the_loss_falls():
     assert "GPTModel 2 layers" in out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", [["model.tensor_model_parallel_size=2"], []], ids=["tp2", "dp2"])
 def test_two_processes_match_one(single_process_curve, layout):
     result = torchrun(2, "pretrain", *SHORT, *layout)
@@ -49,6 +42,7 @@ def test_two_processes_match_one(single_process_curve, layout):
     assert ("TP 2" if layout else "DP 2") in result.stdout
 
 
+@pytest.mark.slow
 def test_pipeline_parallel_on_cpu_trains():
     """PP=2 runs megatron-core's 1F1B schedule over gloo. Its stages seed their layers per stage,
     as Megatron-LM does, so the curve starts from other weights: it must fall, not match."""
@@ -58,6 +52,7 @@ def test_pipeline_parallel_on_cpu_trains():
     assert "PP 2" in result.stdout and len(curve) == 12 and curve[-1] < 0.8 * curve[0]
 
 
+@pytest.mark.slow
 def test_interleaved_pipeline_on_cpu_trains():
     """Two virtual stages per pipeline rank: megatron-core's interleaved 1F1B schedule over gloo."""
     result = torchrun(2, "pretrain", *SHORT, "model.num_layers=4", "model.pipeline_model_parallel_size=2",
@@ -68,6 +63,7 @@ def test_interleaved_pipeline_on_cpu_trains():
     assert len(curve) == 12 and curve[-1] < 0.85 * curve[0], curve  # 4 layers learn a little slower in 12 steps
 
 
+@pytest.mark.slow
 def test_every_forward_step_signature_and_loss_pattern(single_process_curve):
     result = run(sys.executable, "tests/integration/pretrain_variants.py")
     assert result.returncode == 0, result.stderr[-3000:]
@@ -79,6 +75,7 @@ def test_every_forward_step_signature_and_loss_pattern(single_process_curve):
         assert losses(output) == pytest.approx(reference, rel=1e-5), name
 
 
+@pytest.mark.slow
 def test_inference_pattern_collects_non_loss_data():
     result = run(sys.executable, "tests/integration/pretrain_variants.py", "inference")
     assert result.returncode == 0, result.stderr[-3000:]
@@ -87,12 +84,21 @@ def test_inference_pattern_collects_non_loss_data():
 
 @pytest.mark.parametrize("args, fragment", [
     (["dist.distributed_backend=nccl"], "dist.distributed_backend=nccl needs CUDA"),
-    (["dataset=gpt", "dataset.blend=[/nonexistent/corpus,1.0]"], "dataset.blend: no indexed dataset at /nonexistent/corpus"),
-    (["dataset=gpt", "dataset.blend=[a,b,0.3]"], "dataset.blend: cannot pair prefixes with weights"),
     (["mixed_precision=bf16_mixed"], "model.bf16=true needs CUDA"),
     (["dataset.seq_length=256"], "is longer than model.seq_length"),
 ])
-def test_bad_inputs_fail_clearly(args, fragment):
-    result = bridge("pretrain", "recipe=tiny", *args)
+def test_bad_inputs_fail_clearly(cli, args, fragment):
+    result = cli("pretrain", "recipe=tiny", *args)  # in this process: each fails before any process group exists
+    assert result.exit_code == 2, result.stderr[-3000:]
+    assert fragment in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("args, fragment", [
+    (["dataset=gpt", "dataset.blend=[/nonexistent/corpus,1.0]"], "dataset.blend: no indexed dataset at /nonexistent/corpus"),
+    (["dataset=gpt", "dataset.blend=[a,b,0.3]"], "dataset.blend: cannot pair prefixes with weights"),
+])
+def test_bad_data_blends_fail_clearly(args, fragment):
+    result = bridge("pretrain", "recipe=tiny", *args)  # a process of its own: the data is built after the model
     assert result.returncode == 2, result.stderr[-3000:]
     assert fragment in result.stderr and "Traceback" not in result.stderr

@@ -8,6 +8,8 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import REPO, run
 
 # The `bridge` script pip installed, ahead of iproute2's /sbin/bridge.
@@ -33,6 +35,7 @@ def test_ci_runs_the_readme_install_and_test_commands():
     assert section_commands("Test")[0] in ci
 
 
+@pytest.mark.slow
 def test_readme_main_job_runs_as_written():
     command = section_commands("Set up")[1]
     assert command == "bridge pretrain recipe=tiny"

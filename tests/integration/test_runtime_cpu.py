@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("runtime_worker.py")
 RTOL = 1e-4

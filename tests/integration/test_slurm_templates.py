@@ -13,7 +13,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import REPO, _free_port
+
+pytestmark = pytest.mark.slow
 
 SRUN = """#!/bin/bash
 while [[ "$1" == --* ]]; do shift; done

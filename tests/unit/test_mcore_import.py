@@ -3,6 +3,8 @@
 import subprocess
 import sys
 
+import pytest
+
 CHECK = """
 import sys
 from bridge_cli.runtime.mcore_import import import_megatron_core
@@ -22,6 +24,7 @@ print("dynamo after the first call:", "torch._dynamo" in sys.modules)
 """
 
 
+@pytest.mark.slow  # a fresh megatron-core import, then inductor compiles a kernel
 def test_fused_kernels_compile_at_first_call_not_at_import():
     out = subprocess.run([sys.executable, "-c", CHECK], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
