@@ -6,17 +6,27 @@ progress counters. It decides when a checkpoint is due (``save_interval``, then
 and owns the state saving needs across the run: the cached save plan, the async queue, which
 folders had their interrupted saves cleared, the last saved step and the progress log
 (``logger.log_progress``). The loop decides when to stop; the manager only saves.
+
+It also guards the folder: one run at a time per ``checkpoint.save`` (:mod:`folder_lock`), a
+save that fails (disk full, read-only, permissions) stops the run naming the folder, the cause and
+the checkpoint that still loads, and a save that would not fit in the free space (the size of the
+last one) is refused before it starts.
 """
 
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 from typing import Any, Optional
 
-from bridge_cli.checkpoint import state_dict
+import torch.distributed as dist
+
+from bridge_cli.checkpoint import folder_lock, layout, state_dict
 from bridge_cli.checkpoint.adapters import AdapterPolicy
+from bridge_cli.checkpoint.errors import FolderInUse, SaveFailed
 from bridge_cli.checkpoint.save import save_root, write_checkpoint
+from bridge_cli.runtime.collectives import on_any_rank
 
 
 class CheckpointManager:
@@ -37,6 +47,28 @@ class CheckpointManager:
         self._async_queue = None
         self._cleared: set[Path] = set()
         self._job_start: Optional[tuple[float, float]] = None
+        self._last_size = 0
+        self._locked = False
+        if cfg.save:
+            self._lock()
+
+    def close(self) -> None:
+        """Give the folder's lock back (however the run ended; pretrain() has finished the saves)."""
+        if self._locked:
+            folder_lock.release(Path(self.cfg.save))
+            self._locked = False
+
+    def _lock(self) -> None:
+        refused = None
+        if dist.get_rank() == 0:
+            try:
+                for note in folder_lock.acquire(Path(self.cfg.save)):
+                    print(f"checkpoint: {note}", flush=True)
+                self._locked = True
+            except FolderInUse as err:
+                refused = err
+        if on_any_rank(refused is not None):
+            raise refused or FolderInUse(f"checkpoint.save={self.cfg.save}: another run holds this folder (see rank 0).")
 
     def due(self, step: int) -> Optional[str]:
         """'persistent' or 'non-persistent' when ``step`` is a save step, else None."""
@@ -58,11 +90,20 @@ class CheckpointManager:
                                    is_cuda=self.is_cuda, select=select)
         if self.adapters:
             sharded["peft"] = self.adapters.entry(self.base_checkpoint)
-        path, request = write_checkpoint(root, step, sharded, self.run_record, content_metadata=self.metadata,
-                                         strategy=self._save_strategy(), async_save=ckpt.async_save,
-                                         keep=1 if non_persistent else ckpt.most_recent_k,
-                                         clear_interrupted=root not in self._cleared)
+        self._check_free_space(root, step)
+        try:
+            path, request = write_checkpoint(root, step, sharded, self.run_record, content_metadata=self.metadata,
+                                             strategy=self._save_strategy(), async_save=ckpt.async_save,
+                                             keep=1 if non_persistent else ckpt.most_recent_k,
+                                             clear_interrupted=root not in self._cleared)
+        except BaseException as err:  # torch's checkpoint writer raises CheckpointException, a BaseException
+            if isinstance(err, (KeyboardInterrupt, SystemExit)):
+                raise
+            raise SaveFailed(f"saving iteration {step} into {root} failed: {_reason(err)}. Check the free space and "
+                             f"permissions there. {_still_loads(root)}") from err
         self._cleared.add(root)
+        if dist.get_rank() == 0 and request is None:
+            self._last_size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
         if request is not None:
             self._queue().schedule_async_request(request)
         if not non_persistent:
@@ -95,6 +136,18 @@ class CheckpointManager:
         log_saved_checkpoint(self.cfg.save, ts.step, ts.consumed_train_samples * self.seq_length,
                              ts.floating_point_operations_so_far, flops_at_job_start, job_start, self.world_size)
 
+    def _check_free_space(self, root: Path, step: int) -> None:
+        """Refuse a save that cannot fit: the last one's size, against the free space of the folder."""
+        short = None
+        if dist.get_rank() == 0 and self._last_size:
+            free = shutil.disk_usage(root if root.exists() else root.parent).free
+            if free < self._last_size * 1.05:
+                short = (f"saving iteration {step} into {root} needs about {self._last_size / 2**30:.2f} GiB (the size "
+                         f"of the last checkpoint) and {free / 2**30:.2f} GiB are free. {_still_loads(root)} Free "
+                         "space, lower checkpoint.most_recent_k, or point checkpoint.save elsewhere and resume.")
+        if on_any_rank(short is not None):
+            raise SaveFailed(short or f"saving iteration {step} into {root}: no room on rank 0's disk (see rank 0).")
+
     def _save_strategy(self):
         """torch_dist, with the writing spread over data-parallel ranks unless fully_parallel_save is off.
 
@@ -120,3 +173,22 @@ class CheckpointManager:
 
             self._async_queue = AsyncCallsQueue(persistent=self.cfg.use_persistent_ckpt_worker)
         return self._async_queue
+
+
+def _reason(err: BaseException) -> str:
+    """The operating system's words for a failed save where torch and megatron-core kept them, else the
+    first line of what they raised."""
+    seen, first = set(), err
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError):
+            return f"{err.strerror or err}{f' ({err.filename})' if err.filename else ''}"
+        nested = [e for e in getattr(err, "failures", {}).values() if isinstance(e, BaseException)]  # torch DCP
+        err = err.__cause__ or err.__context__ or (nested[0] if nested else None)
+    return (str(first).strip().splitlines() or [type(first).__name__])[-1][:300]
+
+
+def _still_loads(root: Path) -> str:
+    tracked = layout.read_tracker(root) if root.is_dir() else None
+    return (f"The previous checkpoint ({layout.iter_name(int(tracked))}) is still the one that loads."
+            if tracked and tracked.isdigit() else "No earlier checkpoint is there.")

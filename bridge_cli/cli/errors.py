@@ -17,18 +17,19 @@ def user_errors() -> tuple[type[BaseException], ...]:
 
     Imported lazily so that `bridge --help` does not pay for them.
     """
-    from bridge_cli.checkpoint.errors import CheckpointError
+    from bridge_cli.checkpoint.errors import CheckpointError, FolderInUse
     from bridge_cli.config.errors import ConfigError
     from bridge_cli.runtime.errors import RuntimeUnavailable
 
-    return (ConfigError, RuntimeUnavailable, CheckpointError)
+    return (ConfigError, RuntimeUnavailable, CheckpointError, FolderInUse)
 
 
 def run_failures() -> tuple[type[BaseException], ...]:
-    """Failures of a valid run that need no traceback either: training diverged."""
+    """Failures of a valid run that need no traceback either: training diverged, a save failed."""
+    from bridge_cli.checkpoint.errors import SaveFailed
     from bridge_cli.logging.training_logger import TrainingDiverged
 
-    return (TrainingDiverged,)
+    return (TrainingDiverged, SaveFailed)
 
 
 def report(err: BaseException) -> None:

@@ -66,6 +66,13 @@ def reduce_max_memory_across_pp_group(memory_report: dict[str, Union[int, float]
     return {k: int(v) if isinstance(memory_report[k], int) else v for k, v in zip(keys, values.tolist())}
 
 
+def on_any_rank(flag: bool) -> bool:
+    """True on every rank when ``flag`` is true on one, so that all ranks take the same branch."""
+    value = torch.tensor([float(flag)], device=_group_device(None))
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
+
+
 def _group_device(group) -> torch.device:
     """Where a collective on ``group`` must put its tensor: CUDA for NCCL, the host for gloo."""
     backend = dist.get_backend(group)

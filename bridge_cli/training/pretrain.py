@@ -54,6 +54,8 @@ def run_session(config: ConfigContainer) -> Iterator[GlobalState]:
     try:
         yield state
     finally:
+        if state.checkpoint_manager is not None:
+            state.checkpoint_manager.close()
         if state.training_logger is not None:
             state.training_logger.close()
         destroy_num_microbatches_calculator()
@@ -91,7 +93,7 @@ def pretrain(config: ConfigContainer, forward_step_func: ForwardStepCallable) ->
         if config.checkpoint.save and ts.step > first_step and manager.last_saved_step != ts.step:
             save_checkpoint_and_time(state, out.model, out.optimizer, out.scheduler,
                                      ts.floating_point_operations_so_far, context, train_data_iterator=out.train_data_iterator)
-        manager.finalize(blocking=True)
+        manager.finalize(blocking=True)  # the saves are complete before the final evaluation
         if state.train_state.step < config.train.train_iters and not config.train.skip_train:
             return  # exit signal, exit_interval, exit_duration_in_mins: stop now, as Megatron-LM does
         logger = state.training_logger = state.training_logger or TrainingLogger(state, out.model)

@@ -195,11 +195,12 @@ def setup(state: GlobalState, checkpointing_context: Optional[dict] = None) -> S
     scheduler = build_scheduler(cfg, optimizer)
     clock.lap("optimizer")
     adapters = adapter_policy(cfg)
-    load_checkpoint(state, model, optimizer, scheduler, adapters=adapters)
+    # built before loading: it takes checkpoint.save's lock, so a second run there stops before reading it
     manager = state.checkpoint_manager = CheckpointManager(
         cfg.checkpoint, model=model, optimizer=optimizer, scheduler=scheduler, train_state=state.train_state,
         run_record=cfg.run_record(), use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
         is_cuda=runtime.is_cuda, world_size=runtime.world_size, seq_length=cfg.model.seq_length, adapters=adapters)
+    load_checkpoint(state, model, optimizer, scheduler, adapters=adapters)
     manager.base_checkpoint = state.base_checkpoint
     clock.lap("checkpoint")
     train_it, valid_it, test_it = build_data_iterators(cfg, state, len(model))

@@ -15,7 +15,7 @@ from bridge_cli.logging.timers import timed
 from bridge_cli.logging.training_logger import TrainingDiverged, TrainingLogger
 from bridge_cli.training.forward_step_func_types import ForwardStepCallable
 from bridge_cli.training.profiling import StepProfiler
-from bridge_cli.runtime.collectives import is_last_rank, weights_match_across_dp_replicas
+from bridge_cli.runtime.collectives import is_last_rank, on_any_rank, weights_match_across_dp_replicas
 from bridge_cli.training.losses import grad_norm_is_finite, reduce_loss_dict
 from bridge_cli.training.state import GlobalState
 from bridge_cli.training.state_injection import prepare_forward_step_func
@@ -122,13 +122,6 @@ def post_training_step_callbacks(model: list, iteration: int, global_state: Glob
             raise RuntimeError(f"iteration {iteration}: weights differ across data-parallel replicas.")
 
 
-def _on_any_rank(flag: bool, device: torch.device) -> bool:
-    """True on every rank when ``flag`` is true on one, so all ranks stop at the same step."""
-    value = torch.tensor([float(flag)], device=device)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return bool(value.item())
-
-
 class ExitSignal:
     """Remembers which of ``signums`` arrived first; the loop finishes the step, saves and stops.
 
@@ -210,7 +203,6 @@ def checkpoint_and_decide_exit(state: GlobalState, model: list, optimizer, opt_p
     """
     cfg, step, manager = state.cfg, state.train_state.step, state.checkpoint_manager
     ckpt, train_cfg = cfg.checkpoint, cfg.train
-    device = state.runtime.device
 
     def save(non_persistent: bool = False) -> bool:
         if ckpt.save:
@@ -220,14 +212,14 @@ def checkpoint_and_decide_exit(state: GlobalState, model: list, optimizer, opt_p
 
     manager.finalize(blocking=False)
     exit_signal = state.signal_handler
-    if exit_signal is not None and _on_any_rank(exit_signal.received, device):
+    if exit_signal is not None and on_any_rank(exit_signal.received):
         save()
         _say(f"exiting at iteration {step}: received {signal.Signals(exit_signal.signum).name}")
         return True
     due = manager.due(step)
     saved = save(non_persistent=due == "non-persistent") if due else False
     minutes = train_cfg.exit_duration_in_mins
-    if minutes and _on_any_rank(time.time() - state.start_time > minutes * 60, device):
+    if minutes and on_any_rank(time.time() - state.start_time > minutes * 60):
         if not saved:
             save()
         _say(f"exiting at iteration {step}: train.exit_duration_in_mins={minutes} reached")
