@@ -50,11 +50,11 @@ def frozen(base: str, data: str) -> None:
 def logits(cfg: ConfigContainer, tokens: torch.Tensor) -> torch.Tensor:
     from bridge_cli.checkpoint.load import load_checkpoint
     from bridge_cli.training.pretrain import run_session
-    from bridge_cli.training.setup import build_model, initialize
+    from bridge_cli.training.setup import adapter_policy, build_model, initialize
 
     with run_session(cfg) as state:
         model = build_model(cfg, initialize(state))
-        load_checkpoint(state, model, None, None, weights_only=True)
+        load_checkpoint(state, model, None, None, weights_only=True, adapters=adapter_policy(cfg))
         model[0].eval()
         with torch.no_grad():
             positions = torch.arange(tokens.shape[1]).expand_as(tokens)
