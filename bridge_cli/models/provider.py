@@ -69,10 +69,14 @@ class GPTModelProvider(TransformerConfig):
 
         from bridge_cli.models.specs import default_spec_name, layer_spec
 
+        if self.num_moe_experts:
+            from bridge_cli.models.moe_compat import define_missing_te_names
+
+            define_missing_te_names()
         kwargs = {"vp_stage": vp_stage} if vp_stage is not None else {}
         return GPTModel(
             config=self,
-            transformer_layer_spec=layer_spec(self.spec or default_spec_name(), self),
+            transformer_layer_spec=layer_spec(self.spec or default_spec_name(), self, vp_stage),
             vocab_size=self.padded_vocab_size,
             max_sequence_length=self.seq_length,
             pre_process=pre_process,

@@ -8,18 +8,22 @@
            (:class:`~bridge_cli.models.sdpa_attention.SDPAttention`): the fast path without
            Transformer Engine, and the default on the CPU.
 
+``model.moe_grouped_gemm=true`` on ``local`` and ``torch`` runs the experts as grouped GEMMs
+(:mod:`bridge_cli.models.moe_experts`) instead of megatron-core's per-expert ``SequentialMLP``.
+
 ``local`` and ``torch`` normalise with ``torch.nn`` norms (megatron-core's ``WrappedTorchNorm``
 for RMSNorm), which do not support sequence parallelism.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional, Union
 
 from bridge_cli.runtime.errors import RuntimeUnavailable
 
 if TYPE_CHECKING:
     from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
     from megatron.core.transformer.transformer_config import TransformerConfig
 
 SPEC_NAMES = ("te", "local", "torch")
@@ -30,8 +34,12 @@ def default_spec_name() -> str:
     return "te" if _transformer_engine_importable() else "torch"
 
 
-def layer_spec(name: str, config: TransformerConfig) -> ModuleSpec:
-    """The layer spec called ``name`` for a GPT model with this ``config``."""
+def layer_spec(name: str, config: TransformerConfig, vp_stage: Optional[int] = None) -> Union[ModuleSpec, TransformerBlockSubmodules]:
+    """The layer spec called ``name`` for a GPT model with this ``config``.
+
+    An MoE model gets megatron-core's block spec: one spec per layer of this pipeline stage
+    (``vp_stage``), dense or MoE as ``model.moe_layer_freq`` says.
+    """
     from megatron.core.models.gpt import gpt_layer_specs
 
     # Only keywords that megatron-core 0.16 to 0.19 all accept.
@@ -48,28 +56,56 @@ def layer_spec(name: str, config: TransformerConfig) -> ModuleSpec:
             f"model.sdpa_backend={sdpa_backend} applies to the torch layer spec only, and model.spec={name}. "
             "Set model.spec=torch, or model.sdpa_backend=auto."
         )
-    if name == "te":
-        if not _transformer_engine_importable():
-            raise RuntimeUnavailable(
-                "model.spec=te needs Transformer Engine, which does not import here. "
-                "Install transformer_engine[pytorch] on a CUDA machine, or set "
-                "model.spec=torch."
-            )
+    if name not in SPEC_NAMES:
+        raise ValueError(f"model.spec={name!r} is not a layer spec; choose one of {', '.join(SPEC_NAMES)}.")
+    use_te = name == "te"
+    if use_te and not _transformer_engine_importable():
+        raise RuntimeUnavailable(
+            "model.spec=te needs Transformer Engine, which does not import here. "
+            "Install transformer_engine[pytorch] on a CUDA machine, or set "
+            "model.spec=torch."
+        )
+    if not use_te and config.context_parallel_size > 1:
+        raise RuntimeUnavailable(
+            f"model.context_parallel_size={config.context_parallel_size} needs Transformer Engine's attention; "
+            f"the {name} layer spec has none. Use model.spec=te (needs transformer_engine) or "
+            "model.context_parallel_size=1.")
+    if config.num_moe_experts:
+        spec = gpt_layer_specs.get_gpt_decoder_block_spec(
+            config, use_transformer_engine=use_te, normalization=config.normalization,
+            qk_l2_norm=config.qk_l2_norm, vp_stage=vp_stage)
+        layers = list({id(layer): layer for layer in spec.layer_specs}.values())
+    elif use_te:
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(**options)
-    if name in ("local", "torch"):
-        if config.context_parallel_size > 1:
-            raise RuntimeUnavailable(
-                f"model.context_parallel_size={config.context_parallel_size} needs Transformer Engine's attention; "
-                f"the {name} layer spec has none. Use model.spec=te (needs transformer_engine) or "
-                "model.context_parallel_size=1.")
+    else:
         spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization=config.normalization, **options)
-        _check_sequence_parallel(name, spec, config)
+        layers = [spec]
+    if use_te:
+        return spec
+    for layer in layers:
+        _check_sequence_parallel(name, layer, config)
         if name == "torch":
             from bridge_cli.models.sdpa_attention import SDPAttention
 
-            spec.submodules.self_attention.submodules.core_attention = SDPAttention
-        return spec
-    raise ValueError(f"model.spec={name!r} is not a layer spec; choose one of {', '.join(SPEC_NAMES)}.")
+            layer.submodules.self_attention.submodules.core_attention = SDPAttention
+        if config.moe_grouped_gemm:
+            _use_grouped_gemm_experts(layer)
+    return spec
+
+
+def _use_grouped_gemm_experts(layer: ModuleSpec) -> None:
+    """Swap the experts of an MoE layer spec for :class:`GroupedGemmExperts`; dense layers stay.
+
+    megatron-core 0.16 describes the MoE block as a ModuleSpec, 0.19 as a partial of MoELayer;
+    both hold an ``MoESubmodules`` whose ``experts`` is built with (num_local_experts, config,
+    pg_collection=...), which the class accepts.
+    """
+    from bridge_cli.models.moe_experts import GroupedGemmExperts
+
+    mlp = layer.submodules.mlp
+    submodules = getattr(mlp, "submodules", None) or getattr(mlp, "keywords", {}).get("submodules")
+    if submodules is not None and hasattr(submodules, "experts"):
+        submodules.experts = GroupedGemmExperts
 
 
 def _check_sequence_parallel(name: str, spec: ModuleSpec, config: TransformerConfig) -> None:

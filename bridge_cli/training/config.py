@@ -37,6 +37,7 @@ from bridge_cli.config.runtime_configs import (
     RNGConfig,
     StragglerDetectionConfig,
 )
+from bridge_cli.models.moe_checks import check_moe
 from bridge_cli.models.provider import GPTModelProvider
 from bridge_cli.runtime.optimizer_config import OptimizerConfig
 
@@ -158,6 +159,7 @@ class ConfigContainer:
         self._check_gradient_norm_logging()
         self._check_sequence_length()
         self._derive_scheduler_steps()
+        check_moe(self)
 
     def _derive_vocab_size(self) -> None:
         """A tokenizer with its own vocabulary (all but the null one) sets model.vocab_size, as the
