@@ -208,6 +208,9 @@ def build(section: str, cls: type, values: dict) -> Any:
             kwargs[f.name] = f.converter.from_name(f"{section}.{f.name}", kwargs[f.name])
     try:
         return cls(**kwargs)
+    except ImportError as err:  # e.g. model.moe_permute_fusion=true without Transformer Engine
+        raise ConfigError(section, f"an option of this {cls.__name__} needs a package that does not import "
+                          f"here ({err}).", "Turn off the fused-kernel option you set, or install the package.") from err
     except (AssertionError, ValueError, TypeError) as err:
         named = fields_named_in(str(err), cls)
         key = f"{section}.{named[0]}" if named else section
