@@ -58,6 +58,9 @@ class GroupedGemmExperts(MegatronModule):
 
     @torch.no_grad()
     def _initialize(self) -> None:
+        if self.config.use_cpu_initialization:
+            self._initialize_from_full_weights()
+            return
         from megatron.core.tensor_parallel import get_cuda_rng_tracker
         from megatron.core.tensor_parallel.random import get_expert_parallel_rng_tracker_name
 
@@ -65,6 +68,24 @@ class GroupedGemmExperts(MegatronModule):
             for expert in range(self.num_local_experts):
                 self.config.init_method(self.weight1[expert])
                 self.config.output_layer_init_method(self.weight2[expert])
+
+    def _initialize_from_full_weights(self) -> None:
+        """megatron-core's CPU initialization, expert by expert as SequentialMLP draws it: each rank
+        draws every expert's full fc1 then fc2 from torch's generator and keeps its own slice, so
+        any EP and expert-TP size (and SequentialMLP) starts from the same model."""
+        tp, tp_rank = self.tp_group.size(), self.tp_group.rank()
+        first = self.ep_group.rank() * self.num_local_experts
+        ffn = self.weight2.shape[2]
+        for expert in range(self.ep_group.size() * self.num_local_experts):
+            fc1 = torch.empty(self.weight1.shape[1] * tp, self.weight1.shape[2])
+            self.config.init_method(fc1)
+            fc2 = torch.empty(self.weight2.shape[1], ffn * tp)
+            self.config.output_layer_init_method(fc2)
+            local = expert - first
+            if 0 <= local < self.num_local_experts:
+                # A gated fc1 is [gate; up]: each TP rank keeps its slice of both (stride 2).
+                self.weight1[local].copy_(torch.cat(torch.split(fc1, ffn)[tp_rank::tp]))
+                self.weight2[local].copy_(torch.split(fc2, ffn, dim=1)[tp_rank])
 
     def forward(self, hidden: torch.Tensor, tokens_per_expert: torch.Tensor, probs: torch.Tensor):
         """``hidden``: tokens sorted by local expert, ``tokens_per_expert[i]`` rows each."""

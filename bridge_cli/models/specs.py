@@ -71,6 +71,7 @@ def layer_spec(name: str, config: TransformerConfig, vp_stage: Optional[int] = N
             f"the {name} layer spec has none. Use model.spec=te (needs transformer_engine) or "
             "model.context_parallel_size=1.")
     if config.num_moe_experts:
+        _check_dispatcher_on_this_device(config)
         spec = gpt_layer_specs.get_gpt_decoder_block_spec(
             config, use_transformer_engine=use_te, normalization=config.normalization,
             qk_l2_norm=config.qk_l2_norm, vp_stage=vp_stage)
@@ -91,6 +92,16 @@ def layer_spec(name: str, config: TransformerConfig, vp_stage: Optional[int] = N
         if config.moe_grouped_gemm:
             _use_grouped_gemm_experts(layer)
     return spec
+
+
+def _check_dispatcher_on_this_device(config: TransformerConfig) -> None:
+    import torch
+
+    etp = config.expert_tensor_parallel_size or config.tensor_model_parallel_size
+    if config.moe_token_dispatcher_type == "alltoall" and etp > 1 and not torch.cuda.is_available():
+        raise RuntimeUnavailable(
+            f"model.moe_token_dispatcher_type=alltoall with expert tensor parallelism ({etp}) gathers uneven "
+            "token counts, which gloo cannot; on the CPU set model.moe_token_dispatcher_type=allgather.")
 
 
 def _use_grouped_gemm_experts(layer: ModuleSpec) -> None:

@@ -47,6 +47,11 @@ available and nothing the second time it runs. Symbol by symbol:
     ``torch`` names become the same view of ``torch``, whose ``cuda.Stream``/``cuda.Event``
     are host stand-ins, ``cuda.stream(...)`` enters nothing, and ``zeros`` maps ``cuda`` to
     ``cpu``: on the CPU every op has already finished when the next starts.
+``megatron.core.transformer.moe.token_dispatcher.maybe_move_tensor_to_cpu``
+    The alltoall dispatcher turns its per-rank split sizes into host numpy arrays with this
+    helper before ``all_to_all_single``, but the helper converts CUDA tensors only: on the CPU
+    the splits stay tensors, which ``all_to_all_single`` rejects. Redirected to a version that
+    also converts CPU tensors (numpy when asked), so expert parallelism runs over gloo.
 ``torch.Tensor.cuda``
     With tied embeddings and pipeline stages, ``LanguageModule.setup_embeddings_and_output_layer``
     moves the last stage's copy of the embedding with ``weight.data.cuda()`` before all-reducing
@@ -91,6 +96,7 @@ def apply_cpu_patches() -> None:
     mcore_random.torch = _TorchOnCPU(torch)
     for module in (token_dispatcher, shared_experts, moe_utils):
         module.torch = _TorchOnCPU(torch)
+    token_dispatcher.maybe_move_tensor_to_cpu = _to_host
     mcore_random._get_cuda_rng_state = _get_rng_state
     mcore_random._set_cuda_rng_state = _set_rng_state
     p2p_communication._batched_p2p_ops = _unbatched(p2p_communication._p2p_ops)
@@ -151,6 +157,12 @@ class _HostStream:
 
 def _current_stream(device=None) -> _HostStream:
     return _HostStream()
+
+
+def _to_host(tensor, as_numpy: bool = False, record_stream: bool = False):
+    if torch.is_tensor(tensor) and as_numpy:
+        return tensor.cpu().numpy()
+    return tensor
 
 
 def _get_rng_state(device=None, clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
