@@ -41,13 +41,19 @@ def test_expert_tensor_parallel_two_by_expert_parallel_two_matches_one_process()
 
 @pytest.mark.slow
 def test_a_checkpoint_saved_under_ep2_resumes_under_ep1(tmp_path):
+    """The model state reshards; the optimizer state does not (megatron-core chains a separate expert
+    optimizer when EP > 1), so the resumed run starts a fresh optimizer: its first loss, computed
+    before any update, equals the uninterrupted run's, and training goes on."""
     uninterrupted = curve(bridge("pretrain", *SHORT))
     root = tmp_path / "ckpt"
     first = torchrun(2, "pretrain", *SHORT, "model.expert_model_parallel_size=2", f"checkpoint.save={root}",
                      "train.exit_interval=6")
     assert first.returncode == 0, first.stderr[-3000:]
-    resumed = bridge("pretrain", *SHORT, f"checkpoint.save={root}")
+    refused = bridge("pretrain", *SHORT, f"checkpoint.load={root}")
+    assert refused.returncode == 2 and "cannot load the optimizer state" in refused.stderr, refused.stderr[-2000:]
+    resumed = bridge("pretrain", *SHORT, f"checkpoint.load={root}", "checkpoint.load_optim=false")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"loaded checkpoint {root}/iter_0000006" in resumed.stdout
     after = losses(resumed.stdout)
-    assert len(after) == 6 and after == pytest.approx(uninterrupted[6:], rel=1e-3), (after, uninterrupted[6:])
+    assert len(after) == 6 and after[0] == pytest.approx(uninterrupted[6], rel=1e-3), (after, uninterrupted)
+    assert after[-1] < after[0]
