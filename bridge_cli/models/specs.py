@@ -83,6 +83,8 @@ def layer_spec(name: str, config: TransformerConfig, vp_stage: Optional[int] = N
         layers = [spec]
     if use_te:
         return spec
+    if config.num_moe_experts:
+        _use_sequence_parallel_norms(spec, layers)
     for layer in layers:
         _check_sequence_parallel(name, layer, config)
         if name == "torch":
@@ -92,6 +94,24 @@ def layer_spec(name: str, config: TransformerConfig, vp_stage: Optional[int] = N
         if config.moe_grouped_gemm:
             _use_grouped_gemm_experts(layer)
     return spec
+
+
+def _use_sequence_parallel_norms(block: TransformerBlockSubmodules, layers: list) -> None:
+    """Swap megatron-core's WrappedTorchNorm (which refuses sequence parallelism) for
+    :class:`SequenceParallelTorchNorm` in an MoE block spec: megatron-core's MoE layer needs sequence
+    parallelism under tensor parallelism."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    from bridge_cli.models.sequence_parallel_norm import SequenceParallelTorchNorm
+
+    if block.layer_norm is WrappedTorchNorm:
+        block.layer_norm = SequenceParallelTorchNorm
+    for layer in layers:
+        owners = [layer.submodules, getattr(layer.submodules.self_attention, "submodules", None)]
+        for owner in filter(None, owners):
+            for field in ("input_layernorm", "pre_mlp_layernorm", "q_layernorm", "k_layernorm", "kv_layernorm"):
+                if getattr(owner, field, None) is WrappedTorchNorm:
+                    setattr(owner, field, SequenceParallelTorchNorm)
 
 
 def _check_dispatcher_on_this_device(config: TransformerConfig) -> None:

@@ -1,5 +1,5 @@
-"""Expert parallelism on the CPU (gloo) under torchrun: EP=2 and expert-TP=2 x EP=2 reproduce the
-one-process loss curve, and a checkpoint saved under EP=2 resumes under EP=1, optimizer state
+"""Expert parallelism on the CPU (gloo) under torchrun: EP=2, TP=2 (sequence parallel) x EP=2, and
+expert-TP=2 x EP=2 reproduce the one-process loss curve, and a checkpoint saved under EP=2 resumes under EP=1, optimizer state
 included. Grouped-GEMM experts draw every expert's weights on every rank (CPU initialization), so
 all layouts start from the same model."""
 
@@ -24,11 +24,22 @@ def curve(result) -> list[float]:
     return values
 
 
+@pytest.fixture(scope="module")
+def one_process():
+    return curve(bridge("pretrain", *SHORT))
+
+
 @pytest.mark.slow
-def test_expert_parallel_two_matches_one_process():
-    one = curve(bridge("pretrain", *SHORT))
+def test_expert_parallel_two_matches_one_process(one_process):
     ep2 = curve(torchrun(2, "pretrain", *SHORT, "model.expert_model_parallel_size=2"))
-    assert ep2 == pytest.approx(one, rel=1e-3), (ep2, one)
+    assert ep2 == pytest.approx(one_process, rel=1e-3), (ep2, one_process)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_two_by_expert_parallel_two_matches_one_process(one_process):
+    layout = curve(torchrun(4, "pretrain", *SHORT, "model.tensor_model_parallel_size=2", "model.sequence_parallel=true",
+                            "model.expert_model_parallel_size=2", "model.expert_tensor_parallel_size=1"))
+    assert layout == pytest.approx(one_process, rel=1e-3), (layout, one_process)
 
 
 @pytest.mark.slow
@@ -40,11 +51,11 @@ def test_expert_tensor_parallel_two_by_expert_parallel_two_matches_one_process()
 
 
 @pytest.mark.slow
-def test_a_checkpoint_saved_under_ep2_resumes_under_ep1(tmp_path):
+def test_a_checkpoint_saved_under_ep2_resumes_under_ep1(one_process, tmp_path):
     """The model state reshards; the optimizer state does not (megatron-core chains a separate expert
     optimizer when EP > 1), so the resumed run starts a fresh optimizer: its first loss, computed
     before any update, equals the uninterrupted run's, and training goes on."""
-    uninterrupted = curve(bridge("pretrain", *SHORT))
+    uninterrupted = one_process
     root = tmp_path / "ckpt"
     first = torchrun(2, "pretrain", *SHORT, "model.expert_model_parallel_size=2", f"checkpoint.save={root}",
                      "train.exit_interval=6")
