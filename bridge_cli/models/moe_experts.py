@@ -32,7 +32,9 @@ _EXTRA_STATE = "extra_state_of_expert_"
 class GroupedGemmExperts(MegatronModule):
     """All local experts of one MoE layer: ``fc2(act(fc1(x)) * prob)`` per token, bias-free."""
 
-    def __init__(self, num_local_experts: int, config, submodules=None, pg_collection=None):
+    def __init__(self, num_local_experts: int, config, submodules=None, pg_collection=None,
+                 name: Optional[str] = None):
+        # megatron-core 0.19 passes the module's name; ``submodules`` is SequentialMLP's, unused here.
         super().__init__(config=config)
         self.num_local_experts = num_local_experts
         self.ep_group, self.tp_group, self.dp_group = pg_collection.ep, pg_collection.expt_tp, pg_collection.expt_dp
