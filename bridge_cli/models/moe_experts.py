@@ -48,11 +48,12 @@ class GroupedGemmExperts(MegatronModule):
         self.weight2 = torch.nn.Parameter(torch.empty(num_local_experts, config.hidden_size, ffn,
                                                       dtype=config.params_dtype, device=device))
         # As megatron-core marks expert linears: reduced over the expert data-parallel group when
-        # EP > 1 (allreduce=False), split along the tensor-parallel axis of each expert.
+        # EP > 1 (allreduce=False), and tensor-parallel at any expert-TP size, so every rank's experts
+        # count once in the grad norm (not only those of attention-TP rank 0).
         expert_parallel = config.expert_model_parallel_size > 1
         for weight, axis in ((self.weight1, 1), (self.weight2, 2)):
             weight.allreduce = not expert_parallel
-            weight.tensor_model_parallel = tp > 1
+            weight.tensor_model_parallel = True
             weight.partition_dim = axis
             weight.partition_stride = 1
         if config.perform_initialization:
