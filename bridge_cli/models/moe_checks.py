@@ -9,26 +9,21 @@ raises them as ConfigErrors at validation, so ``--dry-run`` catches them.
 from __future__ import annotations
 
 import importlib.util
-from typing import TYPE_CHECKING
-
 from bridge_cli.config.errors import ConfigError
-
-if TYPE_CHECKING:
-    from bridge_cli.training.config import ConfigContainer
 
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
 """What megatron-core's TopKRouter implements for model.moe_router_load_balancing_type."""
 
 
-def check_moe(cfg: ConfigContainer) -> None:
-    """Raise ConfigError for an MoE setting this run cannot build or train; no-op for dense models."""
-    m = cfg.model
+def check_moe(m, world_size: int) -> None:
+    """Raise ConfigError for an MoE setting of model config ``m`` that a run of ``world_size``
+    processes cannot build or train; no-op for dense models."""
     if not m.num_moe_experts:
         return
     _check_router(m)
     _check_layer_pattern(m)
     _check_kernels(m)
-    _check_parallel_layout(m, cfg.world_size or 1)
+    _check_parallel_layout(m, world_size)
 
 
 def _check_router(m) -> None:

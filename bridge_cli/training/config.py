@@ -159,7 +159,7 @@ class ConfigContainer:
         self._check_gradient_norm_logging()
         self._check_sequence_length()
         self._derive_scheduler_steps()
-        check_moe(self)
+        check_moe(self.model, self.world_size)
 
     def _derive_vocab_size(self) -> None:
         """A tokenizer with its own vocabulary (all but the null one) sets model.vocab_size, as the
