@@ -25,9 +25,9 @@ def test_grouped_mm_equals_the_per_expert_loop_forward_and_backward():
     pieces = torch.split(x, counts.tolist())
     reference = torch.cat([piece @ weight[e].t() for e, piece in enumerate(pieces)])
     reference.float().square().sum().backward()
-    torch.testing.assert_close(out, reference, rtol=2e-2, atol=2e-2)
-    torch.testing.assert_close(grads[0], x.grad, rtol=2e-2, atol=1e-1)
-    torch.testing.assert_close(grads[1], weight.grad, rtol=2e-2, atol=1e-1)
+    for ours, theirs in ((out, reference), (grads[0], x.grad), (grads[1], weight.grad)):
+        # bf16 rounds each product once; the two kernels differ by that rounding, not by more
+        assert (ours.float() - theirs.float()).norm() / theirs.float().norm() < 1e-2
 
 
 def test_tiny_moe_trains_with_grouped_experts_in_bf16():
