@@ -140,7 +140,7 @@ class TrainingConfig:
     """Iterations per validation or test evaluation."""
 
     eval_interval: Optional[int] = 1000
-    """Training iterations between validation runs (None: never)."""
+    """Training iterations between validation runs (None or 0: never)."""
 
     skip_train: bool = False
     """Skip training; only run validation/test evaluation, then exit."""

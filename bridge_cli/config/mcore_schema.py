@@ -15,6 +15,7 @@ import dataclasses
 import enum
 import functools
 import inspect
+import re
 import textwrap
 import types
 import typing
@@ -67,13 +68,53 @@ _DTYPE = _Converter(lambda: DTYPES)
 _ACTIVATION = _Converter(_activations)
 
 
+@dataclasses.dataclass(frozen=True)
+class _ScalarOrList:
+    """A field megatron-core types as ``Union[T, List[T]]`` (e.g. ``moe_layer_freq``: every k-th
+    layer, or one 0/1 per layer): YAML holds either; OmegaConf cannot type that union, so the
+    schema says Any and this checks the value."""
+
+    item: type
+
+    def to_name(self, value: Any) -> Any:
+        return list(value) if isinstance(value, (list, tuple)) else value
+
+    def from_name(self, key: str, value: Any) -> Any:
+        if value is None:
+            return None
+        items = value if isinstance(value, list) else [value]
+        if not all(self._fits(v) for v in items):
+            raise ConfigError(key, f"{value!r} is neither one {self.item.__name__} nor a list of them.",
+                              f"Write e.g. {key}=VALUE or {key}=[VALUE,VALUE,...] (one per layer).")
+        cast = [self.item(v) for v in items]
+        return cast if isinstance(value, list) else cast[0]
+
+    def _fits(self, value: Any) -> bool:
+        if isinstance(value, bool):
+            return self.item is bool
+        if self.item is float:
+            return isinstance(value, (int, float))
+        return isinstance(value, self.item)
+
+
 def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
     args = typing.get_args(tp)
     if typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in args:
-        rest = [a for a in args if a is not type(None)]
-        if len(rest) == 1:
-            return rest[0], True
+        rest = tuple(a for a in args if a is not type(None))
+        return (rest[0] if len(rest) == 1 else typing.Union[rest]), True
     return tp, False
+
+
+def _scalar_or_list_item(tp: Any) -> Optional[type]:
+    """T when ``tp`` is ``Union[T, List[T]]`` with T a YAML primitive, else None."""
+    if typing.get_origin(tp) not in (typing.Union, types.UnionType):
+        return None
+    args = typing.get_args(tp)
+    scalars = [a for a in args if a in _PRIMITIVES]
+    lists = [typing.get_args(a) for a in args if typing.get_origin(a) in (list, typing.List)]
+    if len(args) == 2 and len(scalars) == 1 and lists == [(scalars[0],)]:
+        return scalars[0]
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +127,7 @@ class SchemaField:
     choices: Optional[tuple] = None
     converter: Optional[_Converter] = None
     shape: Optional[str] = None
-    """``tuple``: a YAML list that megatron-core takes as a tuple; ``item-or-list``: a primitive or a list of them."""
+    """``tuple``: a YAML list that megatron-core takes as a tuple."""
 
 
 def _schema_field(f: dataclasses.Field, tp: Any) -> Optional[SchemaField]:
@@ -122,13 +163,11 @@ def _schema_field(f: dataclasses.Field, tp: Any) -> Optional[SchemaField]:
         if len(items) == 1 and items <= set(_PRIMITIVES):
             return SchemaField(f.name, wrap(typing.List[items.pop()]), None if default is None else list(default),
                                shape="tuple")
-    if typing.get_origin(inner) in (typing.Union, types.UnionType):  # e.g. window_attn_skip_freq: int | List[int]
-        # OmegaConf has no such union: YAML holds any value, checked against the two forms in build()
-        args = [a for a in typing.get_args(inner) if a is not type(None)]
-        items = [a for a in args if a in _PRIMITIVES]
-        lists = [a for a in args if typing.get_origin(a) in (list, typing.List) and typing.get_args(a) == tuple(items)]
-        if len(items) == 1 and len(lists) == 1 and len(args) == 2:
-            return SchemaField(f.name, Any, default, shape="item-or-list")
+    item = _scalar_or_list_item(inner)
+    # Only the fields of this shape that bridge's layer specs build (the MoE layout and losses, the
+    # sliding-window pattern); the others (no_rope_freq, linear_attention_freq, ...) stay unknown keys.
+    if item is not None and (f.name.startswith("moe_") or f.name == "window_attn_skip_freq"):
+        return SchemaField(f.name, Any, default, converter=_ScalarOrList(item))
     return None
 
 
@@ -181,18 +220,33 @@ def build(section: str, cls: type, values: dict) -> Any:
             kwargs[f.name] = _shaped(f"{section}.{f.name}", f.shape, kwargs[f.name])
     try:
         return cls(**kwargs)
+    except ImportError as err:  # e.g. model.moe_permute_fusion=true without Transformer Engine
+        raise ConfigError(section, f"an option of this {cls.__name__} needs a package that does not import "
+                          f"here ({err}).", "Turn off the fused-kernel option you set, or install the package.") from err
     except (AssertionError, ValueError, TypeError) as err:
-        raise ConfigError(section, f"megatron-core rejected this {cls.__name__}: {err or 'assertion failed'}.") from err
+        named = fields_named_in(str(err), cls)
+        key = f"{section}.{named[0]}" if named else section
+        hint = f"Check {', '.join(f'{section}.{n}' for n in named)}." if named else None
+        raise ConfigError(key, f"megatron-core rejected this {cls.__name__}: {err or 'assertion failed'}", hint) from err
+
+
+def fields_named_in(message: str, cls: type) -> list[str]:
+    """The YAML fields of ``cls`` that ``message`` mentions (as ``name`` or ``--name-with-dashes``),
+    in the order it mentions them."""
+    text = message.replace("-", "_")
+    found = []
+    for f in schema_fields(cls):
+        match = re.search(rf"(?<![A-Za-z0-9_]){re.escape(f.name)}(?![A-Za-z0-9_])", text)
+        if match is None:
+            match = re.search(rf"__{re.escape(f.name)}(?![A-Za-z0-9_])", text)
+        if match is not None:
+            found.append((match.start(), f.name))
+    return [name for _, name in sorted(found)]
 
 
 def _shaped(key: str, shape: str, value: Any) -> Any:
-    """A YAML value of a tuple or item-or-list field, as megatron-core takes it."""
-    if shape == "tuple":
-        return tuple(value)
-    if isinstance(value, _PRIMITIVES) or (isinstance(value, list) and all(isinstance(v, _PRIMITIVES) for v in value)):
-        return value
-    raise ConfigError(key, f"{value!r} is neither one value nor a list of values.",
-                      f"Write e.g. {key}=4 or {key}=[1,1,1,0].")
+    """A YAML list of a tuple field, as the tuple megatron-core takes."""
+    return tuple(value)
 
 
 def to_yaml_values(section: str, cls: type, obj: Any) -> dict:

@@ -62,7 +62,7 @@ RANGES: dict[str, Range] = {
     "scheduler.lr_warmup_init": AT_LEAST_0, "scheduler.start_weight_decay": AT_LEAST_0,
     "scheduler.end_weight_decay": AT_LEAST_0,
     "train.train_iters": Range(1, MAX_ITERATIONS), "train.micro_batch_size": AT_LEAST_1,
-    "train.global_batch_size": AT_LEAST_1, "train.eval_iters": AT_LEAST_0, "train.eval_interval": AT_LEAST_1,
+    "train.global_batch_size": AT_LEAST_1, "train.eval_iters": AT_LEAST_0, "train.eval_interval": AT_LEAST_0,
     "train.exit_interval": AT_LEAST_1, "train.exit_duration_in_mins": AT_LEAST_1, "train.manual_gc_interval": AT_LEAST_0,
     "train.train_sync_interval": AT_LEAST_1, "train.check_weight_hash_across_dp_replicas_interval": AT_LEAST_1,
     "rng.seed": Range(0, 2**32 - 1),

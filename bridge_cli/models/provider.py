@@ -6,12 +6,23 @@ import math
 from dataclasses import dataclass
 from typing import Literal, Optional
 
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 
 @dataclass
-class GPTModelProvider(TransformerConfig):
-    """Every megatron-core TransformerConfig field, plus the GPTModel constructor's arguments."""
+class GPTModelProvider(MLATransformerConfig):
+    """Every megatron-core TransformerConfig field, plus the GPTModel constructor's arguments.
+
+    It is an ``MLATransformerConfig`` so the multi-latent attention fields (``q_lora_rank``,
+    ``kv_lora_rank``, ``qk_head_dim``, ...) are settable; they apply only with
+    ``multi_latent_attention=true``, and the defaults below are TransformerConfig's.
+    """
+
+    multi_latent_attention: bool = False
+    """Multi-latent attention (DeepSeek-V2/V3): low-rank query and key/value projections."""
+
+    normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
+    """Which norm to use for normalization layers, valid options are `LayerNorm` and `RMSNorm`."""
 
     spec: Optional[str] = None
     """Layer spec: te (Transformer Engine), local (megatron-core's own) or torch (SDPA / FlexAttention); None picks te if importable, else torch."""
@@ -55,8 +66,18 @@ class GPTModelProvider(TransformerConfig):
     sdpa_backend: Literal["auto", "flash", "cudnn", "efficient", "math"] = "auto"
     """SDPA kernel of the torch spec's causal layers: auto (torch picks per call) or only flash, cudnn, efficient or math."""
 
+    moe_per_layer_logging: bool = False
+    """Also write each MoE layer's auxiliary losses to the metric writers (moe/<loss>_layer_<i>), not only their mean."""
+
     compile_layers: bool = False
     """torch.compile each transformer layer in place (all share one graph) and the language-model loss."""
+
+    def __post_init__(self):
+        # MLATransformerConfig's own checks (e.g. no attention output gate) concern MLA models only.
+        if self.multi_latent_attention:
+            MLATransformerConfig.__post_init__(self)
+        else:
+            TransformerConfig.__post_init__(self)
 
     @property
     def padded_vocab_size(self) -> int:
@@ -68,10 +89,14 @@ class GPTModelProvider(TransformerConfig):
         from bridge_cli.models.gpt_model import GPTModel
         from bridge_cli.models.specs import default_spec_name, layer_spec
 
+        if self.num_moe_experts:
+            from bridge_cli.models.moe_compat import define_missing_te_names
+
+            define_missing_te_names()
         kwargs = {"vp_stage": vp_stage} if vp_stage is not None else {}
         return GPTModel(
             config=self,
-            transformer_layer_spec=layer_spec(self.spec or default_spec_name(), self),
+            transformer_layer_spec=layer_spec(self.spec or default_spec_name(), self, vp_stage),
             vocab_size=self.padded_vocab_size,
             max_sequence_length=self.seq_length,
             pre_process=pre_process,

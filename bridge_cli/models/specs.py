@@ -9,18 +9,22 @@
            and FlexAttention for packed documents, sliding windows and sinks; the fast path without
            Transformer Engine, and the default on the CPU.
 
+``model.moe_grouped_gemm=true`` on ``local`` and ``torch`` runs the experts as grouped GEMMs
+(:mod:`bridge_cli.models.moe_experts`) instead of megatron-core's per-expert ``SequentialMLP``.
+
 ``local`` and ``torch`` normalise with ``torch.nn`` norms (megatron-core's ``WrappedTorchNorm``
 for RMSNorm), which do not support sequence parallelism.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional, Union
 
 from bridge_cli.runtime.errors import RuntimeUnavailable
 
 if TYPE_CHECKING:
     from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
     from megatron.core.transformer.transformer_config import TransformerConfig
 
 SPEC_NAMES = ("te", "local", "torch")
@@ -31,8 +35,12 @@ def default_spec_name() -> str:
     return "te" if _transformer_engine_importable() else "torch"
 
 
-def layer_spec(name: str, config: TransformerConfig) -> ModuleSpec:
-    """The layer spec called ``name`` for a GPT model with this ``config``."""
+def layer_spec(name: str, config: TransformerConfig, vp_stage: Optional[int] = None) -> Union[ModuleSpec, TransformerBlockSubmodules]:
+    """The layer spec called ``name`` for a GPT model with this ``config``.
+
+    An MoE model gets megatron-core's block spec: one spec per layer of this pipeline stage
+    (``vp_stage``), dense or MoE as ``model.moe_layer_freq`` says.
+    """
     from megatron.core.models.gpt import gpt_layer_specs
 
     # Only keywords that megatron-core 0.16 to 0.19 all accept.
@@ -49,27 +57,86 @@ def layer_spec(name: str, config: TransformerConfig) -> ModuleSpec:
             f"model.sdpa_backend={sdpa_backend} applies to the torch layer spec only, and model.spec={name}. "
             "Set model.spec=torch, or model.sdpa_backend=auto."
         )
-    if name == "te":
-        if not _transformer_engine_importable():
-            raise RuntimeUnavailable(
-                "model.spec=te needs Transformer Engine, which does not import here. "
-                "Install transformer_engine[pytorch] on a CUDA machine, or set "
-                "model.spec=torch."
-            )
+    if name not in SPEC_NAMES:
+        raise ValueError(f"model.spec={name!r} is not a layer spec; choose one of {', '.join(SPEC_NAMES)}.")
+    use_te = name == "te"
+    if use_te and not _transformer_engine_importable():
+        raise RuntimeUnavailable(
+            "model.spec=te needs Transformer Engine, which does not import here. "
+            "Install transformer_engine[pytorch] on a CUDA machine, or set "
+            "model.spec=torch."
+        )
+    if name == "local" and config.context_parallel_size > 1:
+        raise RuntimeUnavailable(
+            f"model.context_parallel_size={config.context_parallel_size} needs Transformer Engine's attention or "
+            "the torch spec's; the local layer spec has neither. Use model.spec=torch or model.spec=te.")
+    if config.num_moe_experts:
+        _check_dispatcher_on_this_device(config)
+        spec = gpt_layer_specs.get_gpt_decoder_block_spec(
+            config, use_transformer_engine=use_te, normalization=config.normalization,
+            qk_l2_norm=config.qk_l2_norm, vp_stage=vp_stage)
+        layers = list({id(layer): layer for layer in spec.layer_specs}.values())
+    elif use_te:
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(**options)
-    if name in ("local", "torch"):
-        if config.context_parallel_size > 1 and name == "local":
-            raise RuntimeUnavailable(
-                f"model.context_parallel_size={config.context_parallel_size} needs Transformer Engine's attention or "
-                "the torch spec's; the local layer spec has neither. Use model.spec=torch or model.spec=te.")
+    else:
         spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization=config.normalization, **options)
-        _check_sequence_parallel(name, spec, config)
+        layers = [spec]
+    if use_te:
+        return spec
+    if config.num_moe_experts:
+        _use_sequence_parallel_norms(spec, layers)
+    for layer in layers:
+        _check_sequence_parallel(name, layer, config)
         if name == "torch":
             from bridge_cli.models.attention.core import TorchAttention
 
-            spec.submodules.self_attention.submodules.core_attention = TorchAttention
-        return spec
-    raise ValueError(f"model.spec={name!r} is not a layer spec; choose one of {', '.join(SPEC_NAMES)}.")
+            layer.submodules.self_attention.submodules.core_attention = TorchAttention
+        if config.moe_grouped_gemm:
+            _use_grouped_gemm_experts(layer)
+    return spec
+
+
+def _use_sequence_parallel_norms(block: TransformerBlockSubmodules, layers: list) -> None:
+    """Swap megatron-core's WrappedTorchNorm (which refuses sequence parallelism) for
+    :class:`SequenceParallelTorchNorm` in an MoE block spec: megatron-core's MoE layer needs sequence
+    parallelism under tensor parallelism."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    from bridge_cli.models.sequence_parallel_norm import SequenceParallelTorchNorm
+
+    if block.layer_norm is WrappedTorchNorm:
+        block.layer_norm = SequenceParallelTorchNorm
+    for layer in layers:
+        owners = [layer.submodules, getattr(layer.submodules.self_attention, "submodules", None)]
+        for owner in filter(None, owners):
+            for field in ("input_layernorm", "pre_mlp_layernorm", "q_layernorm", "k_layernorm", "kv_layernorm"):
+                if getattr(owner, field, None) is WrappedTorchNorm:
+                    setattr(owner, field, SequenceParallelTorchNorm)
+
+
+def _check_dispatcher_on_this_device(config: TransformerConfig) -> None:
+    import torch
+
+    etp = config.expert_tensor_parallel_size or config.tensor_model_parallel_size
+    if config.moe_token_dispatcher_type == "alltoall" and etp > 1 and not torch.cuda.is_available():
+        raise RuntimeUnavailable(
+            f"model.moe_token_dispatcher_type=alltoall with expert tensor parallelism ({etp}) gathers uneven "
+            "token counts, which gloo cannot; on the CPU set model.moe_token_dispatcher_type=allgather.")
+
+
+def _use_grouped_gemm_experts(layer: ModuleSpec) -> None:
+    """Swap the experts of an MoE layer spec for :class:`GroupedGemmExperts`; dense layers stay.
+
+    megatron-core 0.16 describes the MoE block as a ModuleSpec, 0.19 as a partial of MoELayer;
+    both hold an ``MoESubmodules`` whose ``experts`` is built with (num_local_experts, config,
+    pg_collection=...), which the class accepts.
+    """
+    from bridge_cli.models.moe_experts import GroupedGemmExperts
+
+    mlp = layer.submodules.mlp
+    submodules = getattr(mlp, "submodules", None) or getattr(mlp, "keywords", {}).get("submodules")
+    if submodules is not None and hasattr(submodules, "experts"):
+        submodules.experts = GroupedGemmExperts
 
 
 def _check_sequence_parallel(name: str, spec: ModuleSpec, config: TransformerConfig) -> None:

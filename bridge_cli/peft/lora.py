@@ -10,6 +10,9 @@ subclass that adds the adapter (as ``torch.nn.utils.parametrize`` does), so the 
 keep their checkpoint keys and the adapters' keys are ``<layer>.adapter.linear_in.weight`` and
 ``<layer>.adapter.linear_out.weight``.
 
+Mixture-of-experts: every routed expert (megatron-core's SequentialMLP) and shared expert gets
+its own adapters on linear_fc1/linear_fc2; the router stays frozen.
+
 Tensor parallel: an adapter is split the way its layer is. On a column-parallel layer
 (linear_qkv, linear_fc1) A is replicated and B split by output rows like W; the grad of A's
 output is all-reduced over the tensor-parallel group so every rank's A stays equal. On a
@@ -171,10 +174,8 @@ def apply_lora(model_chunks: list, cfg: LoRAConfig, seed: int) -> ParameterCount
     for chunk in model_chunks:
         chunk.requires_grad_(False)
         for layer in [m for m in chunk.modules() if isinstance(m, TransformerLayer)]:
-            if layer.config.num_moe_experts:
-                raise RuntimeUnavailable("peft=lora does not support mixture-of-experts models "
-                                         f"(model.num_moe_experts={layer.config.num_moe_experts}) yet.")
             for name, module in list(layer.named_modules()):
+                _check_experts(module, name, layer, cfg)
                 if name.rsplit(".", 1)[-1] not in cfg.target_modules:
                     continue
                 if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
@@ -188,6 +189,29 @@ def apply_lora(model_chunks: list, cfg: LoRAConfig, seed: int) -> ParameterCount
                 add_adapter(module, cfg, column, swiglu, zlib.crc32(f"{seed}:{layer.layer_number}:{name}".encode()))
     params = [p for chunk in model_chunks for p in chunk.parameters()]
     return ParameterCounts(sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params))
+
+
+def _check_experts(module, name: str, layer, cfg: LoRAConfig) -> None:
+    """MoE layers: the routed experts of megatron-core's SequentialMLP (one MLP per expert) and the
+    shared experts take adapters like any MLP; grouped experts have no per-expert linear layer, and
+    adapters on experts split over expert-parallel ranks would need the expert groups' sharding."""
+    from bridge_cli.models.moe_experts import GroupedGemmExperts
+
+    expert_targets = [t for t in cfg.target_modules if t in ("linear_fc1", "linear_fc2")]
+    if not expert_targets or not name.endswith("mlp.experts"):
+        return
+    config = layer.config
+    if isinstance(module, GroupedGemmExperts):
+        raise RuntimeUnavailable(
+            f"peft=lora cannot adapt the grouped-GEMM experts of layer {layer.layer_number} "
+            f"(peft.target_modules has {', '.join(expert_targets)}). Set model.moe_grouped_gemm=false "
+            "(per-expert layers), or peft.target_modules=[linear_qkv,linear_proj].")
+    etp = config.expert_tensor_parallel_size or config.tensor_model_parallel_size
+    if config.expert_model_parallel_size > 1 or etp != config.tensor_model_parallel_size:
+        raise RuntimeUnavailable(
+            f"peft=lora on routed experts needs model.expert_model_parallel_size=1 and expert TP equal to TP "
+            f"(they are {config.expert_model_parallel_size} and {etp}). Change the layout, or set "
+            "peft.target_modules=[linear_qkv,linear_proj].")
 
 
 def _check_layout(module, name: str, column: bool) -> None:

@@ -43,6 +43,19 @@ available and nothing the second time it runs. Symbol by symbol:
     rank's gradient lands in its peer's activation buffer. Redirected to ``_p2p_ops``, the
     unbatched path with the same arguments, which orders the pair by rank parity and puts one
     direction on another communicator; its requests come back as the list callers expect.
+``megatron.core.transformer.moe``: ``token_dispatcher.torch``, ``shared_experts.torch``, ``moe_utils.torch``
+    The alltoall token dispatcher creates a ``torch.cuda.Stream`` when built and, each
+    forward, copies its split sizes to the host on that side stream and waits on an event;
+    overlapped shared experts run on their own stream the same way; the MoE loss tracker
+    allocates its per-layer values with ``torch.zeros(..., device="cuda")``. Those modules'
+    ``torch`` names become the same view of ``torch``, whose ``cuda.Stream``/``cuda.Event``
+    are host stand-ins, ``cuda.stream(...)`` enters nothing, and ``zeros`` maps ``cuda`` to
+    ``cpu``: on the CPU every op has already finished when the next starts.
+``megatron.core.transformer.moe.token_dispatcher.maybe_move_tensor_to_cpu``
+    The alltoall dispatcher turns its per-rank split sizes into host numpy arrays with this
+    helper before ``all_to_all_single``, but the helper converts CUDA tensors only: on the CPU
+    the splits stay tensors, which ``all_to_all_single`` rejects. Redirected to a version that
+    also converts CPU tensors (numpy when asked), so expert parallelism runs over gloo.
 ``torch.Tensor.cuda``
     With tied embeddings and pipeline stages, ``LanguageModule.setup_embeddings_and_output_layer``
     moves the last stage's copy of the embedding with ``weight.data.cuda()`` before all-reducing
@@ -57,6 +70,7 @@ available and nothing the second time it runs. Symbol by symbol:
 
 from __future__ import annotations
 
+import contextlib
 import types
 
 import torch
@@ -74,6 +88,7 @@ def apply_cpu_patches() -> None:
     from megatron.core.pipeline_parallel import p2p_communication, schedules
     from megatron.core.tensor_parallel import random as mcore_random
     from megatron.core.transformer import utils as transformer_utils
+    from megatron.core.transformer.moe import moe_utils, shared_experts, token_dispatcher
 
     from bridge_cli.runtime.cpu_optimizer import CPUChainedOptimizer, CPUFP32Optimizer
 
@@ -85,6 +100,9 @@ def apply_cpu_patches() -> None:
     transformer_utils.torch = _TorchOnCPU(torch)
     rope_utils.torch = _TorchOnCPU(torch)
     mcore_random.torch = _TorchOnCPU(torch)
+    for module in (token_dispatcher, shared_experts, moe_utils):
+        module.torch = _TorchOnCPU(torch)
+    token_dispatcher.maybe_move_tensor_to_cpu = _to_host
     mcore_random._get_cuda_rng_state = _get_rng_state
     mcore_random._set_cuda_rng_state = _set_rng_state
     p2p_communication._batched_p2p_ops = _unbatched(p2p_communication._p2p_ops)
@@ -105,8 +123,30 @@ def _synchronize(device=None) -> None:
     return None
 
 
+class _HostEvent:
+    """An event on the host stream: it has always happened already."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, stream=None) -> None:
+        return None
+
+    def wait(self, stream=None) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+
 class _HostStream:
     """The CPU's one implicit stream: everything is already ordered."""
+
+    def __init__(self, *args, **kwargs):
+        pass
 
     def wait_event(self, event) -> None:
         return None
@@ -117,9 +157,18 @@ class _HostStream:
     def synchronize(self) -> None:
         return None
 
+    def record_event(self, event=None) -> _HostEvent:
+        return event or _HostEvent()
+
 
 def _current_stream(device=None) -> _HostStream:
     return _HostStream()
+
+
+def _to_host(tensor, as_numpy: bool = False, record_stream: bool = False):
+    if torch.is_tensor(tensor) and as_numpy:
+        return tensor.cpu().numpy()
+    return tensor
 
 
 def _get_rng_state(device=None, clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
@@ -169,11 +218,21 @@ class _TorchOnCPU(types.ModuleType):
 
 
 class _CudaOnCPU(types.ModuleType):
-    """``torch.cuda`` whose generator functions act on the CPU default generator."""
+    """``torch.cuda`` whose generator functions act on the CPU default generator, and whose
+    streams and events are the host's (already ordered)."""
+
+    Stream = _HostStream
+    Event = _HostEvent
 
     def __init__(self, real: types.ModuleType):
         super().__init__(real.__name__, real.__doc__)
         self._real = real
+
+    def stream(self, stream) -> contextlib.nullcontext:
+        return contextlib.nullcontext()
+
+    def current_stream(self, device=None) -> _HostStream:
+        return _HostStream()
 
     def __getattr__(self, name: str):
         return getattr(self._real, name)

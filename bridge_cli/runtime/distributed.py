@@ -49,6 +49,7 @@ def init_distributed(
     context_parallel_size: int = 1,
     expert_model_parallel_size: int = 1,
     virtual_pipeline_model_parallel_size: int | None = None,
+    expert_tensor_parallel_size: int | None = None,
 ) -> Runtime:
     """Join the process group and build megatron-core's parallel groups.
 
@@ -94,6 +95,7 @@ def init_distributed(
         virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
         context_parallel_size=context_parallel_size,
         expert_model_parallel_size=expert_model_parallel_size,
+        expert_tensor_parallel_size=expert_tensor_parallel_size,
         distributed_timeout_minutes=timeout_minutes,
     )
     return Runtime(

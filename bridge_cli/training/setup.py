@@ -154,6 +154,7 @@ def initialize(state: GlobalState):
         pipeline_model_parallel_size=m.pipeline_model_parallel_size,
         context_parallel_size=m.context_parallel_size,
         expert_model_parallel_size=m.expert_model_parallel_size,
+        expert_tensor_parallel_size=m.expert_tensor_parallel_size,
         virtual_pipeline_model_parallel_size=m.virtual_pipeline_model_parallel_size,
     )
     state.runtime = runtime

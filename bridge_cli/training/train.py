@@ -19,7 +19,7 @@ from bridge_cli.runtime.collectives import is_last_rank, on_any_rank, weights_ma
 from bridge_cli.training.losses import grad_norm_is_finite, reduce_loss_dict
 from bridge_cli.training.state import GlobalState
 from bridge_cli.training.state_injection import prepare_forward_step_func
-from bridge_cli.training.utils.train_utils import num_floating_point_operations
+from bridge_cli.models.flops import num_floating_point_operations
 
 
 def train_step(forward_step_func: ForwardStepCallable, data_iterator, model: list, optimizer, scheduler,

@@ -19,6 +19,7 @@ from bridge_cli.config.fields import check_section
 from bridge_cli.config.ranges import check_ranges
 from bridge_cli.config.unsupported import check_unsupported
 from bridge_cli.models.attention.config_checks import check_attention
+from bridge_cli.models.moe_checks import check_moe
 from bridge_cli.config.data_configs import FinetuningDatasetConfig
 from bridge_cli.runtime.device_rules import check_device
 from bridge_cli.runtime.output_paths import check_output_folders
@@ -89,6 +90,7 @@ def validate_and_derive(cfg, world_size: int, device: str) -> Derived:
     vocab_size = _vocab_size(cfg)
     dp = data_parallel_size(cfg.model, world_size)
     _check_model_shape(cfg.model)
+    check_moe(cfg.model, world_size)
     global_batch, microbatches = _batches(cfg.train, dp)
     _check_gradient_norm_logging(cfg, dp)
     _check_sequence_length(cfg)

@@ -29,7 +29,7 @@ def test_window_and_sinks_are_settable_by_megatron_core_names():
 @pytest.mark.parametrize("args, fragments", [
     (["model.spec=local", "dataset.reset_attention_mask=true"],
      ["dataset.reset_attention_mask: masks attention per document", "model.spec=torch"]),
-    (["model.window_attn_skip_freq={a:1}"], ["model.window_attn_skip_freq", "neither one value nor a list"]),
+    (["model.window_attn_skip_freq={a:1}"], ["model.window_attn_skip_freq", "neither one int nor a list"]),
     (["model.context_parallel_size=3", "--world-size", "3"],
      ["model.context_parallel_size: 3 cuts each row into 6 chunks", "multiple of 6"]),
     (["model.context_parallel_size=2", "dataset.skip_getting_attention_mask_from_dataset=false", "--world-size", "2"],

@@ -1,0 +1,67 @@
+"""The MoE auxiliary losses on the log line and in the metric writers, as Megatron-LM's training_log does.
+
+megatron-core's routers record each MoE layer's load-balancing loss (``load_balancing_loss``,
+``seq_load_balancing_loss``, ``global_load_balancing_loss``) and ``z_loss`` in a tracker summed
+over the step's micro-batches. ``track_moe_metrics`` (megatron-core 0.16 to 0.19) reduces it over
+the pipeline and data-parallel ranks, writes the mean over MoE layers (and with
+``model.moe_per_layer_logging`` each layer, ``moe/<name>_layer_<i>``) to a SummaryWriter-shaped
+writer, adds it to a running dict, and clears the tracker. It is a collective: every rank calls
+:meth:`MoEMetrics.after_step` every step.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+class _ScalarSink:
+    """``add_scalar`` onto bridge's MetricWriter, so the values reach TensorBoard, W&B, MLflow and Comet."""
+
+    def __init__(self, writer):
+        self.writer = writer
+
+    def add_scalar(self, name: str, value, step: int) -> None:
+        self.writer.add_scalars({name: float(value)}, step)
+
+
+class MoEMetrics:
+    def __init__(self, model_cfg):
+        self.cfg = model_cfg
+        self.track_names = tracked_losses(model_cfg)
+        self.totals: dict[str, torch.Tensor] = {}
+
+    def after_step(self, step: int, num_microbatches: int, writer=None) -> None:
+        """Fold this step's MoE losses into the interval totals; ``writer`` (on the writing rank, at
+        writer steps) receives them too."""
+        from megatron.core.transformer.moe.moe_utils import track_moe_metrics
+
+        m = self.cfg
+        track_moe_metrics(
+            loss_scale=1.0 / num_microbatches, iteration=step, writer=_ScalarSink(writer) if writer else None,
+            total_loss_dict=self.totals, per_layer_logging=bool(getattr(m, "moe_per_layer_logging", False)),
+            force_initialize=True, track_names=self.track_names, num_layers=m.num_layers,
+            moe_layer_freq=m.moe_layer_freq, mtp_num_layers=m.mtp_num_layers)
+
+    def line_fields(self, iterations: int) -> tuple[str, ...]:
+        """``name value`` per tracked loss, averaged over the ``iterations`` since the last line; resets."""
+        fields = tuple(f"{name} {float(total) / iterations:.6f}" for name, total in self.totals.items())
+        self.totals = {}
+        return fields
+
+
+def tracked_losses(model_cfg) -> list[str]:
+    """The tracker names megatron-core's router records under this config (Megatron-LM's list)."""
+    kinds = model_cfg.moe_router_load_balancing_type
+    kinds = kinds if isinstance(kinds, list) else [kinds]
+    names = [f"{prefix}load_balancing_loss" for kind, prefix in
+             (("aux_loss", ""), ("seq_aux_loss", "seq_"), ("global_aux_loss", "global_")) if kind in kinds]
+    if model_cfg.moe_z_loss_coeff is not None:
+        names.append("z_loss")
+    return names
+
+
+def moe_metrics_for(model_cfg) -> Optional[MoEMetrics]:
+    """A tracker reader for an MoE model, None for a dense one."""
+    return MoEMetrics(model_cfg) if model_cfg.num_moe_experts else None

@@ -1,0 +1,99 @@
+"""Grouped-GEMM experts (model.moe_grouped_gemm=true without Transformer Engine) against megatron-core's
+SequentialMLP: the same numbers in fp32 on the CPU, and torch_dist checkpoints that load either way."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from bridge_cli.models.moe_experts import GroupedGemmExperts, grouped_linear
+from bridge_cli.models.provider import GPTModelProvider
+
+VOCAB, SEQ, BATCH = 128, 16, 2
+
+
+@pytest.fixture(scope="module")
+def one_process():
+    from bridge_cli.runtime.distributed import destroy_distributed, init_distributed
+
+    init_distributed("gloo", 1, 1, 1)
+    yield
+    destroy_distributed()
+
+
+def build(grouped: bool, gated: bool = True, seed: int = 0):
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+    config = GPTModelProvider(
+        num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, vocab_size=VOCAB,
+        seq_length=SEQ, make_vocab_size_divisible_by=128, position_embedding_type="rope", normalization="RMSNorm",
+        add_bias_linear=False, gated_linear_unit=gated, activation_func=F.silu if gated else F.gelu,
+        hidden_dropout=0.0, attention_dropout=0.0, spec="torch", num_moe_experts=4, moe_router_topk=2,
+        moe_ffn_hidden_size=32, moe_layer_freq=[0, 1], moe_token_dispatcher_type="alltoall",
+        moe_aux_loss_coeff=0.0, moe_grouped_gemm=grouped)
+    return config.provide()
+
+
+def experts(model):
+    return model.decoder.layers[1].mlp.experts
+
+
+def copy_sequential_into_grouped(sequential, grouped) -> None:
+    with torch.no_grad():
+        for name, tensor in sequential.state_dict().items():
+            if ".mlp.experts." not in name and torch.is_tensor(tensor):
+                grouped.state_dict()[name].copy_(tensor)
+        seq_experts, grp_experts = experts(sequential), experts(grouped)
+        for e, expert in enumerate(seq_experts.local_experts):
+            grp_experts.weight1[e].copy_(expert.linear_fc1.weight)
+            grp_experts.weight2[e].copy_(expert.linear_fc2.weight)
+
+
+def forward_backward(model):
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    position_ids = torch.arange(SEQ).expand(BATCH, SEQ)
+    model.zero_grad()
+    logits = model(tokens, position_ids, None)
+    logits.float().square().mean().backward()
+    return logits.detach()
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["swiglu", "gelu"])
+def test_grouped_experts_equal_sequential_mlp_forward_and_gradients(one_process, gated):
+    sequential, grouped = build(False, gated), build(True, gated, seed=1)
+    assert type(experts(sequential)).__name__ == "SequentialMLP"
+    assert isinstance(experts(grouped), GroupedGemmExperts)
+    assert type(grouped.decoder.layers[0].mlp).__name__ == "MLP"  # moe_layer_freq: the first layer is dense
+    copy_sequential_into_grouped(sequential, grouped)
+    torch.testing.assert_close(forward_backward(grouped), forward_backward(sequential), rtol=1e-5, atol=1e-5)
+    for e, expert in enumerate(experts(sequential).local_experts):
+        torch.testing.assert_close(experts(grouped).weight1.grad[e], expert.linear_fc1.weight.grad, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(experts(grouped).weight2.grad[e], expert.linear_fc2.weight.grad, rtol=1e-5, atol=1e-6)
+    router_seq = sequential.decoder.layers[1].mlp.router.weight.grad
+    torch.testing.assert_close(grouped.decoder.layers[1].mlp.router.weight.grad, router_seq, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("direction", ["sequential_to_grouped", "grouped_to_sequential"])
+def test_a_checkpoint_of_one_loads_into_the_other(one_process, tmp_path, direction):
+    from megatron.core import dist_checkpointing
+
+    source, target = (build(False), build(True, seed=1))
+    if direction == "grouped_to_sequential":
+        source, target = target, source
+    dist_checkpointing.save(source.sharded_state_dict(), str(tmp_path))
+    checkpoint_keys = {v.key for v in source.sharded_state_dict().values()}
+    assert {"decoder.layers.1.mlp.experts.experts.linear_fc1.weight",
+            "decoder.layers.1.mlp.experts.experts.linear_fc2.weight"} <= checkpoint_keys
+    loaded = dist_checkpointing.load(target.sharded_state_dict(), str(tmp_path))
+    target.load_state_dict(loaded)
+    torch.testing.assert_close(forward_backward(target), forward_backward(source), rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_linear_handles_experts_without_tokens():
+    x, weight = torch.randn(5, 8), torch.randn(3, 4, 8)
+    counts = torch.tensor([2, 0, 3])
+    out = grouped_linear(x, weight, counts)
+    torch.testing.assert_close(out, torch.cat([x[:2] @ weight[0].T, x[2:] @ weight[2].T]))
