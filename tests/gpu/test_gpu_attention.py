@@ -60,7 +60,7 @@ def test_documents_in_bf16_match_each_document_alone():
 
 def test_pretraining_with_document_masks_trains(tmp_path):
     result = bridge("pretrain", "recipe=gpt2_124m", "model.spec=torch", "train.train_iters=20",
-                    "train.global_batch_size=16", "logger.log_interval=10", "train.eval_iters=0",
+                    "train.micro_batch_size=8", "train.global_batch_size=16", "logger.log_interval=10", "train.eval_iters=0",
                     "dataset.reset_attention_mask=true", "dataset.reset_position_ids=true")
     assert result.returncode == 0, result.stderr[-3000:]
     losses = [float(x) for x in re.findall(r"lm loss ([0-9.]+)", result.stdout)]
