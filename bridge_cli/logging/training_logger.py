@@ -71,7 +71,7 @@ class TrainingLogger:
         ts = global_state.train_state
         self.console = ConsoleLog(self.cfg.train.train_iters, ts.step, enabled=self.is_logging_rank,
                                   peak_tflops=peak_tflops(self.cfg.logger.gpu_peak_tflops))
-        self.writer = MetricWriter(self.cfg.logger, run_config=self.cfg.to_dict(), enabled=self.is_logging_rank)
+        self.writer = MetricWriter(self.cfg.logger, run_config=self.cfg.run_record(), enabled=self.is_logging_rank)
         self.stats = IntervalStats()
         self.first_iter, self.run_started = ts.step, time.time()
         self.history_wct: list[float] = [self.run_started]

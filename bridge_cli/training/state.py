@@ -40,8 +40,6 @@ class GlobalState:
     train_state: TrainState = field(default_factory=TrainState)
     runtime: Optional["Runtime"] = None
     start_time: float = field(default_factory=time.time)
-    tensorboard_logger: Any = None
-    wandb_logger: Any = None
     timers: Any = None
     training_logger: Any = None
     """The TrainingLogger train() reports through (console, TensorBoard, W&B); pretrain() closes it."""
@@ -52,3 +50,13 @@ class GlobalState:
     base_checkpoint: Optional[str] = None
     """The base model a run with adapters loaded (checkpoint.pretrained_checkpoint, or the one its
     adapter checkpoint names); its adapter checkpoints name it in turn."""
+
+    @property
+    def tensorboard_logger(self) -> Any:
+        """The run's TensorBoard SummaryWriter (None without logger.tensorboard_dir, or before train())."""
+        return self.training_logger.writer.tensorboard if self.training_logger is not None else None
+
+    @property
+    def wandb_logger(self) -> Any:
+        """The run's W&B run (None without logger.wandb_project, or before train())."""
+        return self.training_logger.writer.wandb if self.training_logger is not None else None
