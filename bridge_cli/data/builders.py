@@ -92,6 +92,7 @@ def build_datasets(cfg, tokenizer, sizes: Optional[list[int]] = None) -> list:
     if mcore_config.split_matrix is not None:
         # A split nobody reads is not built: megatron-core would still count epochs over it.
         mcore_config.split_matrix = [bounds if size else None for bounds, size in zip(mcore_config.split_matrix, sizes)]
+    _check_files(mcore_config, cfg.derived.vocab_size)
     if mcore_config.blend is not None:
         _check_splits_have_documents(mcore_config, sizes)
     datasets = BlendedMegatronDatasetBuilder(cls, sizes, lambda: True, mcore_config).build()
@@ -103,6 +104,18 @@ def build_datasets(cfg, tokenizer, sizes: Optional[list[int]] = None) -> list:
 
 
 _SPLITS = ("train", "validation", "test")
+
+
+def _check_files(mcore_config, vocab_size: int) -> None:
+    """Every indexed dataset the run reads, checked once before training (damaged files, token ids)."""
+    from bridge_cli.data.indexed_check import check_indexed_dataset
+
+    if mcore_config.blend is not None:
+        for prefix in mcore_config.blend[0]:
+            check_indexed_dataset(prefix, vocab_size)
+    for i, blend in enumerate(mcore_config.blend_per_split or []):
+        for prefix in (blend[0] if blend else []):
+            check_indexed_dataset(prefix, vocab_size, f"dataset.blend_per_split[{i}]")
 
 
 def _check_splits_have_documents(mcore_config, sizes: list[int]) -> None:

@@ -134,10 +134,16 @@ def build_sample(segments: list[tuple[list[int], bool]], capacity: int) -> Sampl
 def read_jsonl(path: Path, tokenizer, capacity: int, limit: Optional[int] = None) -> list[Sample]:
     """Tokenized samples of ``path`` (the first ``limit`` records); ConfigError names file:line on a bad one."""
     samples = []
-    with open(path, encoding="utf-8") as f:
-        for line_number, line in enumerate(f, start=1):
+    # Read as bytes and decode line by line, so that bytes that are not UTF-8 are named by line too.
+    with open(path, "rb") as f:
+        for line_number, raw in enumerate(f, start=1):
             if limit is not None and len(samples) >= limit:
                 break
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise ConfigError(None, f"{path}:{line_number}: not UTF-8 text (byte {raw[err.start]:#04x} at "
+                                  f"column {err.start + 1}).", "Save the file as UTF-8.") from None
             if not line.strip():
                 continue
             try:
