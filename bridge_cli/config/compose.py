@@ -22,15 +22,51 @@ from bridge_cli.config.errors import ConfigError, did_you_mean
 PRECEDENCE = "config groups (conf/) < recipe < command-line overrides"
 
 
+# A recipe is a page of settings: these limits refuse, in milliseconds, a file that would take OmegaConf
+# minutes or all memory to copy (a "billion laughs" of nested aliases expands exponentially).
+MAX_RECIPE_BYTES = 1 << 20
+MAX_RECIPE_NODES = 100_000
+
+
 def _check_yaml(path: Path, label: str) -> None:
     try:
-        yaml.safe_load(path.read_text())
+        if path.stat().st_size > MAX_RECIPE_BYTES:
+            raise ConfigError(None, f"{label}: {path.stat().st_size} bytes, more than a recipe may hold "
+                              f"({MAX_RECIPE_BYTES}).", "A recipe holds settings, not data; point to data by path.")
+        nodes = _expanded_size(yaml.safe_load(path.read_text()), {}, set())
+        if nodes > MAX_RECIPE_NODES:
+            raise ConfigError(None, f"{label}: its anchors and aliases expand to {nodes} values, more than a recipe "
+                              f"may hold ({MAX_RECIPE_NODES}).", "Write the settings out instead of nesting aliases.")
+    except RecursionError:
+        raise ConfigError(None, f"{label}: nested too deeply to load.", "Flatten the file.") from None
+    except ValueError as err:
+        raise ConfigError(None, f"{label}: {err}.", "Remove the recursive alias.") from None
     except yaml.MarkedYAMLError as err:
         mark = err.problem_mark
         where = f"{label}:{mark.line + 1}" if mark else label
         raise ConfigError(None, f"{where}: malformed YAML: {err.problem}.", "Fix the file and run again.") from None
     except OSError as err:
         raise ConfigError(None, f"{label}: cannot read ({err.strerror}).") from None
+
+
+def _expanded_size(node, sizes: dict[int, int], open_nodes: set[int]) -> int:
+    """How many values ``node`` becomes once every alias is copied out (shared nodes counted once per use,
+    computed once per node), stopping early past the limit."""
+    if not isinstance(node, (dict, list)):
+        return 1
+    if id(node) in sizes:
+        return sizes[id(node)]
+    if id(node) in open_nodes:
+        raise ValueError("an alias refers to the node that holds it")
+    open_nodes.add(id(node))
+    total = 1
+    for child in (list(node.keys()) + list(node.values())) if isinstance(node, dict) else node:
+        total += _expanded_size(child, sizes, open_nodes)
+        if total > MAX_RECIPE_NODES:
+            break
+    open_nodes.discard(id(node))
+    sizes[id(node)] = total
+    return total
 
 
 def _unknown_key(key: str, source: str = "") -> ConfigError:
@@ -144,5 +180,43 @@ def compose(recipe_name: str | None, overrides: list[str], recipes_dirs: list[Pa
     try:
         OmegaConf.resolve(cfg)
     except OmegaConfBaseException as err:
-        raise _from_omegaconf(err, "") from err
+        raise _interpolation_error(cfg, err, recipe, overrides) from err
     return cfg
+
+
+def _interpolation_error(cfg: DictConfig, err: OmegaConfBaseException, recipe: recipes.Recipe | None,
+                         overrides: list[str]) -> ConfigError:
+    """OmegaConf.resolve does not say which key failed: find the first value that does not resolve, and
+    where it was written (the command line, else the recipe, else conf/)."""
+    key = _unresolvable_key(cfg)
+    if key is None:
+        return _from_omegaconf(err, "")
+    from_command_line = any(o.lstrip("+~").split("=", 1)[0] == key for o in overrides)
+    source = (" (set on the command line)" if from_command_line
+              else f" (set in recipe {recipe.path})" if recipe is not None else "")
+    cause = str(err).splitlines()[0].replace("KeyError raised while resolving interpolation: ", "")
+    raw = _raw_value(cfg, key)
+    hint = ("Set the variable, or give a default: ${oc.env:NAME,DEFAULT}." if "oc.env" in raw
+            else "Refer to a key that exists, as ${section.key}.")
+    return ConfigError(key, f"cannot resolve {raw}{source}: {cause}.", hint)
+
+
+def _unresolvable_key(node, prefix: str = "") -> str | None:
+    for name in node:
+        key = f"{prefix}{name}"
+        if OmegaConf.is_interpolation(node, name):
+            try:
+                node[name]
+            except OmegaConfBaseException:
+                return key
+        elif isinstance(node[name], DictConfig):
+            found = _unresolvable_key(node[name], key + ".")
+            if found:
+                return found
+    return None
+
+
+def _raw_value(cfg: DictConfig, key: str) -> str:
+    parent, _, leaf = key.rpartition(".")
+    node = OmegaConf.select(cfg, parent) if parent else cfg
+    return str(node._get_node(leaf)._value())
