@@ -21,6 +21,7 @@ import numpy as np
 
 from bridge_cli.config.data_configs import TokenizerConfig
 from bridge_cli.config.errors import ConfigError
+from bridge_cli.runtime.output_paths import check_output_file
 
 JSON_SUFFIXES = (".jsonl", ".json", ".ndjson")
 
@@ -116,6 +117,27 @@ def _encode_in_worker(item):
     return _worker_encoder(item)
 
 
+def _first_missing(folder: Path) -> Optional[Path]:
+    """The outermost folder of ``folder``'s path that does not exist yet (None if it exists)."""
+    missing = None
+    while not folder.exists():
+        missing, folder = folder, folder.parent
+    return missing
+
+
+def _remove_empty_folders(folder: Path, created: Optional[Path]) -> None:
+    """Undo the folders a failed run created, from ``folder`` up to ``created``, where they stayed empty."""
+    if created is None:
+        return
+    for path in (folder, *folder.parents):
+        try:
+            path.rmdir()
+        except OSError:
+            return
+        if path == created:
+            return
+
+
 def token_dtype(vocab_size: int) -> type:
     """uint16 when every id fits, else int32 (megatron-core's DType.optimal_dtype)."""
     from megatron.core.datasets.indexed_dataset import DType
@@ -144,16 +166,20 @@ def preprocess_data(inputs: Iterable[str], output_prefix: str, tokenizer: Tokeni
         raise ConfigError("--on-error", f"must be skip or fail, got {on_error}.")
     if workers < 1 or chunk_size < 1:
         raise ConfigError("--workers" if workers < 1 else "--chunk-size", "must be at least 1.")
+    prefix = Path(output_prefix)
+    final = (Path(f"{prefix}.bin"), Path(f"{prefix}.idx"))
+    for path in final:
+        check_output_file("--output-prefix", str(path))
     files = expand_inputs(inputs)
     encoder = _Encoder(tokenizer, append_eod)  # also checks the tokenizer before any file is written
     stats = PreprocessStats(total_bytes=sum(p.stat().st_size for p in files))
-    prefix = Path(output_prefix)
+    created = _first_missing(prefix.parent)
     prefix.parent.mkdir(parents=True, exist_ok=True)
-    final = (Path(f"{prefix}.bin"), Path(f"{prefix}.idx"))
     partial = tuple(Path(f"{p}.tmp") for p in final)
-    builder = IndexedDatasetBuilder(str(partial[0]), dtype=encoder.dtype)
-    pool = None
+    pool = builder = None
+    renamed: tuple[Path, ...] = ()
     try:
+        builder = IndexedDatasetBuilder(str(partial[0]), dtype=encoder.dtype)
         if workers > 1:
             import multiprocessing
 
@@ -181,12 +207,18 @@ def preprocess_data(inputs: Iterable[str], output_prefix: str, tokenizer: Tokeni
             raise ConfigError("--input", f"no document with any token in {len(files)} file(s).",
                               "Check the files and --json-key.")
         builder.finalize(str(partial[1]))
-        for tmp, path in zip(partial, final):
-            os.replace(tmp, path)
+        # The index goes last: a .bin renamed without its .idx is removed below, and no .idx ever
+        # describes a .bin of another run.
+        final[1].unlink(missing_ok=True)
+        os.replace(partial[0], final[0])
+        renamed = (final[0],)
+        os.replace(partial[1], final[1])
     except BaseException:
-        builder.data_file.close()
-        for tmp in partial:
-            tmp.unlink(missing_ok=True)
+        if builder is not None:
+            builder.data_file.close()
+        for path in (*partial, *renamed):
+            path.unlink(missing_ok=True)
+        _remove_empty_folders(prefix.parent, created)
         raise
     finally:
         if pool is not None:

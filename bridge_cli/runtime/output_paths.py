@@ -25,3 +25,13 @@ def check_output_folders(folders: Iterable[tuple[str, Optional[str]]]) -> None:
         if not os.access(existing, os.W_OK | os.X_OK):
             raise ConfigError(key, f"{path} is not writable ({existing} does not allow this user to write).",
                               "Choose a folder you can write, or fix its permissions.")
+
+
+def check_output_file(key: str, path: Optional[str]) -> None:
+    """A file to write (if set): not a folder, in a folder that exists or can be created, writable."""
+    if path is None:
+        return
+    target = Path(path).expanduser()
+    if target.is_dir():
+        raise ConfigError(key, f"{path} is a folder, not a file.", "Give the path of a file to write.")
+    check_output_folders([(key, str(target.parent))])
