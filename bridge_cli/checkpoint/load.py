@@ -59,14 +59,15 @@ def resolve_resume(ckpt_cfg, mode: str) -> tuple[Optional[str], list[str]]:
 
 
 def load_checkpoint(state, model: list, optimizer, scheduler, weights_only: bool = False,
-                    adapters: Optional[AdapterPolicy] = None) -> Optional[Path]:
+                    adapters: Optional[AdapterPolicy] = None, pretrained: Optional[str] = None) -> Optional[Path]:
     """Restore what ``state.cfg.checkpoint`` asks for; returns the folder loaded, or None.
 
     ``weights_only`` loads the model weights alone whatever the checkpoint section says (evaluation,
-    merging); ``optimizer`` and ``scheduler`` may then be None. ``adapters`` (a model carrying LoRA
+    merging); ``optimizer`` and ``scheduler`` may then be None. ``pretrained`` is where to read
+    ``checkpoint.pretrained_checkpoint`` from (its conversion, when that is a Hugging Face folder). ``adapters`` (a model carrying LoRA
     adapters) loads the base model, then the adapters, and records the base in ``state.base_checkpoint``.
     """
-    source = choose_source(state.cfg.checkpoint, state.cfg.checkpoint.load)
+    source = choose_source(state.cfg.checkpoint, state.cfg.checkpoint.load, pretrained)
     if adapters is not None:
         return _load_base_and_adapters(state, model, optimizer, scheduler, source, weights_only, adapters)
     if source is None:
@@ -137,8 +138,11 @@ def _check_adapters_match(path: Path, saved: dict, settings: dict) -> None:
                                   f"(this run: {settings.get(name)}). Set peft.{name}={saved[name]}.")
 
 
-def choose_source(ckpt, load_dir: Optional[str]) -> Optional[Source]:
-    """Which checkpoint to load (None: start from scratch); raises CheckpointError where the config demands one."""
+def choose_source(ckpt, load_dir: Optional[str], pretrained: Optional[str] = None) -> Optional[Source]:
+    """Which checkpoint to load (None: start from scratch); raises CheckpointError where the config demands one.
+
+    ``pretrained`` replaces the folder of ``checkpoint.pretrained_checkpoint`` (not its name in messages).
+    """
     if load_dir is not None:
         found = layout.find_checkpoint(Path(load_dir), ckpt.ckpt_step)
         newer = _newer_non_persistent(ckpt, Path(load_dir), found.iteration if found.path else -1)
@@ -159,7 +163,7 @@ def choose_source(ckpt, load_dir: Optional[str]) -> Optional[Source]:
             _say(f"no checkpoint in {load_dir}; starting from iteration 0.")
             return None
     if ckpt.pretrained_checkpoint is not None:
-        found = layout.find_checkpoint(Path(ckpt.pretrained_checkpoint))
+        found = layout.find_checkpoint(Path(pretrained or ckpt.pretrained_checkpoint))
         if found.path is None:
             raise CheckpointError(f"checkpoint.pretrained_checkpoint={ckpt.pretrained_checkpoint}: no checkpoint "
                                   f"there (no {layout.TRACKER}, no iter_* folder, no metadata.json).")

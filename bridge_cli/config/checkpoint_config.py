@@ -1,6 +1,7 @@
 """Checkpoint section: where and how checkpoints are saved and loaded."""
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 from bridge_cli.config.fields import one_of
@@ -57,6 +58,12 @@ class CheckpointConfig:
 
     pretrained_checkpoint: Optional[str] = None
     """Directory of a pretrained checkpoint to finetune from."""
+
+    export_hf_dir: Optional[str] = None
+    """Write the final checkpoint as a Hugging Face folder here (new or empty) at the end of training; needs save."""
+
+    export_hf_model_type: Optional[str] = None
+    """Family export_hf_dir is written as (see `bridge convert-ckpt families`; None: the one the model fits)."""
 
     ckpt_step: Optional[int] = None
     """Iteration to load from `load` (None: the latest)."""
@@ -122,6 +129,14 @@ class CheckpointConfig:
             problems.append(("async_save", "needs save set to a directory."))
         if self.async_save and not self.use_persistent_ckpt_worker:
             problems.append(("async_save", "needs use_persistent_ckpt_worker: true."))
+        if self.export_hf_dir is not None and self.save is None:
+            problems.append(("export_hf_dir", "needs save set to a directory (the export reads the final checkpoint)."))
+        if self.export_hf_dir is not None and Path(self.export_hf_dir).exists() and (
+                not Path(self.export_hf_dir).is_dir() or any(Path(self.export_hf_dir).iterdir())):
+            problems.append(("export_hf_dir", f"{self.export_hf_dir} already exists and is not an empty folder; "
+                             "choose a new one (the export would refuse it after training)."))
+        if self.export_hf_model_type is not None and self.export_hf_dir is None:
+            problems.append(("export_hf_model_type", "needs export_hf_dir."))
         if self.most_recent_k == 0 or self.most_recent_k < -1:
             problems.append(("most_recent_k", f"must be -1 (keep all) or at least 1, got {self.most_recent_k}."))
         for name in ("save_interval", "non_persistent_save_interval"):
