@@ -100,3 +100,18 @@ def test_a_command_line_field_that_contradicts_the_weights_is_refused(cli, hf_di
     result = cli("pretrain", "recipe=tiny", f"checkpoint.pretrained_checkpoint={hf_dir}", override, "--dry-run")
     assert result.exit_code == 2 and "Traceback" not in result.output
     assert fragment.format(hf_dir) in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("overrides, fragment", [
+    (["checkpoint.export_hf_dir={tmp}/out"], "checkpoint.export_hf_dir: needs save set to a directory"),
+    (["checkpoint.save={tmp}/save", "checkpoint.export_hf_dir={tmp}/taken"],
+     "checkpoint.export_hf_dir: {tmp}/taken already exists and is not an empty folder"),
+    (["checkpoint.save={tmp}/save", "checkpoint.export_hf_dir={tmp}/out", "checkpoint.export_hf_model_type=gpt2"],
+     "checkpoint.export_hf_model_type: 'gpt2' is not a family bridge converts"),
+])
+def test_an_export_that_would_fail_after_training_is_refused_before_it(cli, tmp_path, overrides, fragment):
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "notes.txt").write_text("mine")
+    result = cli("pretrain", "recipe=tiny", *(o.format(tmp=tmp_path) for o in overrides), "--dry-run")
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert fragment.format(tmp=tmp_path) in result.stderr, result.stderr
