@@ -65,6 +65,9 @@ class CheckpointConfig:
     export_hf_model_type: Optional[str] = None
     """Family export_hf_dir is written as (see `bridge convert-ckpt families`; None: the one the model fits)."""
 
+    export_hf_each_save: bool = False
+    """Export every persistent save instead, to export_hf_dir/iter_XXXXXXX (training waits for each export)."""
+
     ckpt_step: Optional[int] = None
     """Iteration to load from `load` (None: the latest)."""
 
@@ -131,12 +134,16 @@ class CheckpointConfig:
             problems.append(("async_save", "needs use_persistent_ckpt_worker: true."))
         if self.export_hf_dir is not None and self.save is None:
             problems.append(("export_hf_dir", "needs save set to a directory (the export reads the final checkpoint)."))
-        if self.export_hf_dir is not None and Path(self.export_hf_dir).exists() and (
-                not Path(self.export_hf_dir).is_dir() or any(Path(self.export_hf_dir).iterdir())):
+        export = Path(self.export_hf_dir) if self.export_hf_dir is not None else None
+        if export is not None and not self.export_hf_each_save and export.exists() and (
+                not export.is_dir() or any(export.iterdir())):
             problems.append(("export_hf_dir", f"{self.export_hf_dir} already exists and is not an empty folder; "
                              "choose a new one (the export would refuse it after training)."))
-        if self.export_hf_model_type is not None and self.export_hf_dir is None:
-            problems.append(("export_hf_model_type", "needs export_hf_dir."))
+        for name in ("export_hf_model_type", "export_hf_each_save"):
+            if getattr(self, name) not in (None, False) and self.export_hf_dir is None:
+                problems.append((name, "needs export_hf_dir."))
+        if self.export_hf_each_save and self.async_save:
+            problems.append(("export_hf_each_save", "needs async_save: false (an export reads a finished checkpoint)."))
         if self.most_recent_k == 0 or self.most_recent_k < -1:
             problems.append(("most_recent_k", f"must be -1 (keep all) or at least 1, got {self.most_recent_k}."))
         for name in ("save_interval", "non_persistent_save_interval"):

@@ -24,8 +24,9 @@ Starting from a folder takes two steps, at the two times a run needs them:
    (a world of one: a conversion cannot share this run's process groups) on the first process of each
    node, into that node's temporary folder, which is deleted once every rank has loaded it.
 
-Ending in a folder (:func:`export_after_training`): once the final checkpoint is saved, rank 0 runs
-``bridge convert-ckpt export-hf`` on it, in a child process for the same reason.
+Ending in a folder (:func:`export_checkpoint`): once the final checkpoint is saved (or each one, with
+``checkpoint.export_hf_each_save``), rank 0 runs ``bridge convert-ckpt export-hf`` on it, in a child
+process for the same reason, while the other ranks wait.
 """
 
 from __future__ import annotations
@@ -140,16 +141,22 @@ def _import(hf_dir: str, out: Path) -> int:
     return _convert_in_child("import-hf", str(hf_dir), str(out), quiet=True)
 
 
-def export_after_training(ckpt_cfg, step: int) -> None:
-    """Write ``checkpoint.export_hf_dir`` from iteration ``step`` of ``checkpoint.save`` (rank 0; all ranks call)."""
+def export_checkpoint(ckpt_cfg, step: int) -> None:
+    """Write iteration ``step`` of ``checkpoint.save`` as a Hugging Face folder: ``checkpoint.export_hf_dir``, or
+    its ``iter_<step>`` subfolder with ``export_hf_each_save`` (replacing an export of the same iteration,
+    as the save replaced its checkpoint). Rank 0 converts; every rank calls and waits."""
     import torch.distributed as dist
 
+    out = Path(ckpt_cfg.export_hf_dir)
+    if ckpt_cfg.export_hf_each_save:
+        out = out / layout.iter_name(step)
     failed = 0
     if not dist.is_initialized() or dist.get_rank() == 0:
-        print(f"checkpoint: exporting iteration {step} to the Hugging Face folder {ckpt_cfg.export_hf_dir}", flush=True)
+        print(f"checkpoint: exporting iteration {step} to the Hugging Face folder {out}", flush=True)
+        if ckpt_cfg.export_hf_each_save:
+            shutil.rmtree(out, ignore_errors=True)
         model_type = ["--model-type", ckpt_cfg.export_hf_model_type] if ckpt_cfg.export_hf_model_type else []
-        failed = _convert_in_child("export-hf", ckpt_cfg.save, ckpt_cfg.export_hf_dir, "--ckpt-step", str(step),
-                                   *model_type)
+        failed = _convert_in_child("export-hf", ckpt_cfg.save, str(out), "--ckpt-step", str(step), *model_type)
     status = [failed]
     if dist.is_initialized():
         status = [None] * dist.get_world_size()

@@ -115,3 +115,17 @@ def test_an_export_that_would_fail_after_training_is_refused_before_it(cli, tmp_
     result = cli("pretrain", "recipe=tiny", *(o.format(tmp=tmp_path) for o in overrides), "--dry-run")
     assert result.exit_code == 2 and "Traceback" not in result.output
     assert fragment.format(tmp=tmp_path) in result.stderr, result.stderr
+
+
+@pytest.mark.slow
+def test_export_at_each_save_writes_one_folder_per_checkpoint(hf_dir, tmp_path):
+    export = tmp_path / "exported"
+    ok(bridge("pretrain", "recipe=tiny", f"checkpoint.pretrained_checkpoint={hf_dir}", *RUN,
+              f"checkpoint.save={tmp_path / 'save'}", "checkpoint.save_interval=1", f"checkpoint.export_hf_dir={export}",
+              "checkpoint.export_hf_each_save=true"))
+    assert sorted(p.name for p in export.iterdir()) == ["iter_0000001", "iter_0000002"]
+    tokens = torch.randint(0, 512, (1, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        first, second = (transformers.AutoModelForCausalLM.from_pretrained(export / name, dtype=torch.float32)
+                         .eval()(tokens).logits for name in ("iter_0000001", "iter_0000002"))
+    assert (first - second).abs().max().item() > 1e-4  # each holds its own iteration's weights
