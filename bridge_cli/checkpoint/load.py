@@ -69,7 +69,7 @@ def load_checkpoint(state, model: list, optimizer, scheduler, weights_only: bool
     """
     source = choose_source(state.cfg.checkpoint, state.cfg.checkpoint.load, pretrained)
     if adapters is not None:
-        return _load_base_and_adapters(state, model, optimizer, scheduler, source, weights_only, adapters)
+        return _load_base_and_adapters(state, model, optimizer, scheduler, source, weights_only, adapters, pretrained)
     if source is None:
         return None
     if adapter_metadata(source.found.path) is not None:
@@ -101,7 +101,7 @@ def _load_source(state, model: list, optimizer, scheduler, source: Source, weigh
 
 
 def _load_base_and_adapters(state, model: list, optimizer, scheduler, source: Optional[Source],
-                            weights_only: bool, adapters: AdapterPolicy) -> Path:
+                            weights_only: bool, adapters: AdapterPolicy, pretrained: Optional[str]) -> Path:
     """The frozen base weights, then the adapters when ``source`` is an adapter checkpoint."""
     ckpt = state.cfg.checkpoint
     if source is None:
@@ -115,7 +115,7 @@ def _load_base_and_adapters(state, model: list, optimizer, scheduler, source: Op
         state.base_checkpoint = ckpt.pretrained_checkpoint
         return _load_source(state, model, optimizer, scheduler, source, True, adapters.is_base_key, "base model")
     _check_adapters_match(source.found.path, saved, adapters.settings)
-    base_dir = ckpt.pretrained_checkpoint or saved.get("base_checkpoint")
+    base_dir = pretrained or ckpt.pretrained_checkpoint or saved.get("base_checkpoint")
     if not base_dir:
         raise CheckpointError(f"{source.found.path} holds LoRA adapters and does not name their base model. "
                               "Set checkpoint.pretrained_checkpoint=DIR.")
@@ -124,7 +124,7 @@ def _load_base_and_adapters(state, model: list, optimizer, scheduler, source: Op
     if base.path is None:
         raise CheckpointError(f"{key}: no checkpoint in {base_dir} (no {layout.TRACKER}, no iter_* folder, "
                               "no metadata.json). Set checkpoint.pretrained_checkpoint=DIR to the base model.")
-    state.base_checkpoint = base_dir  # the adapters saved by this run name the same base
+    state.base_checkpoint = ckpt.pretrained_checkpoint or base_dir  # the adapters saved by this run name the same base
     _load_source(state, model, optimizer, scheduler, Source(base, True, key), True, adapters.is_base_key, "base model")
     return _load_source(state, model, optimizer, scheduler, source, weights_only or source.weights_only,
                         adapters.is_adapter_key, "LoRA adapters")

@@ -99,18 +99,19 @@ def check_model(model: Mapping[str, Any], hf_dir: str) -> None:
 
 
 @contextmanager
-def converted_for_loading(ckpt_cfg, local_rank: int) -> Iterator[Optional[str]]:
+def converted_for_loading(ckpt_cfg, local_rank: int, base_needed: bool = False) -> Iterator[Optional[str]]:
     """The folder to load ``checkpoint.pretrained_checkpoint`` from for the duration of the block: a
     temporary torch_dist conversion when it is a Hugging Face folder that this run loads, else None.
 
-    Call on every rank (``local_rank``: its index on its node) once the process group exists; it
-    synchronises them.
+    A run resuming from ``checkpoint.load`` needs no conversion, unless its adapters (``base_needed``,
+    LoRA) load onto the pretrained weights. Call on every rank (``local_rank``: its index on its node)
+    once the process group exists; it synchronises them.
     """
     import torch.distributed as dist
 
     hf_dir = ckpt_cfg.pretrained_checkpoint
     resuming = ckpt_cfg.load is not None and layout.find_checkpoint(Path(ckpt_cfg.load)).path is not None
-    if not is_hf_folder(hf_dir) or resuming:
+    if not is_hf_folder(hf_dir) or (resuming and not base_needed):
         yield None
         return
     name = [f"bridge-hf-import-{uuid.uuid4().hex[:16]}"]

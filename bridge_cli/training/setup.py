@@ -202,7 +202,7 @@ def setup(state: GlobalState, checkpointing_context: Optional[dict] = None) -> S
         cfg.checkpoint, model=model, optimizer=optimizer, scheduler=scheduler, train_state=state.train_state,
         run_record=cfg.run_record(), use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
         is_cuda=runtime.is_cuda, world_size=runtime.world_size, seq_length=cfg.model.seq_length, adapters=adapters)
-    with converted_for_loading(cfg.checkpoint, runtime.local_rank) as pretrained:  # a Hugging Face folder, converted for the load
+    with converted_for_loading(cfg.checkpoint, runtime.local_rank, adapters is not None) as pretrained:  # a Hugging Face folder, converted for the load
         load_checkpoint(state, model, optimizer, scheduler, adapters=adapters, pretrained=pretrained)
     manager.base_checkpoint = state.base_checkpoint
     clock.lap("checkpoint")

@@ -129,3 +129,15 @@ def test_export_at_each_save_writes_one_folder_per_checkpoint(hf_dir, tmp_path):
         first, second = (transformers.AutoModelForCausalLM.from_pretrained(export / name, dtype=torch.float32)
                          .eval()(tokens).logits for name in ("iter_0000001", "iter_0000002"))
     assert (first - second).abs().max().item() > 1e-4  # each holds its own iteration's weights
+
+
+@pytest.mark.slow
+def test_lora_on_a_hugging_face_folder_resumes_and_merges(hf_dir, tmp_path):
+    save, merged = tmp_path / "adapters", tmp_path / "merged"
+    lora = ["recipe=tiny", "peft=lora", f"checkpoint.pretrained_checkpoint={hf_dir}", *RUN, f"checkpoint.save={save}"]
+    ok(bridge("finetune", *lora))
+    resumed = ok(bridge("finetune", *lora, "train.train_iters=3", "scheduler.override_opt_param_scheduler=true")).stdout
+    assert f"converting the Hugging Face folder {hf_dir}" in resumed and "loaded base model" in resumed
+    assert "loaded LoRA adapters" in resumed and "iteration 3/3" in resumed
+    ok(bridge("peft", "merge", str(save), str(merged), "recipe=tiny", f"checkpoint.pretrained_checkpoint={hf_dir}"))
+    assert (merged / "iter_0000003" / "metadata.json").is_file()
