@@ -79,7 +79,12 @@ def print_dry_run(recipe: str, container) -> None:
     from omegaconf import OmegaConf
 
     from bridge_cli.config.compose import PRECEDENCE
+    from bridge_cli.convert import hf_training
 
     print(OmegaConf.to_yaml(container.to_dict()), end="")
-    print(f"# recipe: {recipe}\n# precedence: {PRECEDENCE}")
+    precedence = PRECEDENCE
+    if hf_training.is_hf_folder(container.checkpoint.pretrained_checkpoint):
+        precedence = PRECEDENCE.replace(" < command-line", " < config.json of checkpoint.pretrained_checkpoint "
+                                        "(model) < command-line")
+    print(f"# recipe: {recipe}\n# precedence: {precedence}")
     print(OmegaConf.to_yaml({"derived": container.derived.as_dict()}), end="")

@@ -90,6 +90,7 @@ def test_config_json_sets_the_model_between_recipe_and_command_line(cli, hf_dir)
     assert "  hidden_size: 64\n" in result.stdout  # config.json's, not the recipe's 128
     assert "  vocab_size: 512\n" in result.stdout
     assert "  seq_length: 32\n" in result.stdout  # the command line's
+    assert "recipe < config.json of checkpoint.pretrained_checkpoint (model) < command-line" in result.stdout
 
 
 @pytest.mark.parametrize("override, fragment", [
