@@ -57,7 +57,7 @@ class CheckpointConfig:
     """Load only the model weights and restart at iteration 0 (assumed for release checkpoints)."""
 
     pretrained_checkpoint: Optional[str] = None
-    """Directory of a pretrained checkpoint to finetune from."""
+    """Directory of a pretrained checkpoint to start from, or a Hugging Face model folder (its config.json sets the model)."""
 
     export_hf_dir: Optional[str] = None
     """Write the final checkpoint as a Hugging Face folder here (new or empty) at the end of training; needs save."""
