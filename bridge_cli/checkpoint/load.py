@@ -59,16 +59,17 @@ def resolve_resume(ckpt_cfg, mode: str) -> tuple[Optional[str], list[str]]:
 
 
 def load_checkpoint(state, model: list, optimizer, scheduler, weights_only: bool = False,
-                    adapters: Optional[AdapterPolicy] = None) -> Optional[Path]:
+                    adapters: Optional[AdapterPolicy] = None, pretrained: Optional[str] = None) -> Optional[Path]:
     """Restore what ``state.cfg.checkpoint`` asks for; returns the folder loaded, or None.
 
     ``weights_only`` loads the model weights alone whatever the checkpoint section says (evaluation,
-    merging); ``optimizer`` and ``scheduler`` may then be None. ``adapters`` (a model carrying LoRA
+    merging); ``optimizer`` and ``scheduler`` may then be None. ``pretrained`` is where to read
+    ``checkpoint.pretrained_checkpoint`` from (its conversion, when that is a Hugging Face folder). ``adapters`` (a model carrying LoRA
     adapters) loads the base model, then the adapters, and records the base in ``state.base_checkpoint``.
     """
-    source = choose_source(state.cfg.checkpoint, state.cfg.checkpoint.load)
+    source = choose_source(state.cfg.checkpoint, state.cfg.checkpoint.load, pretrained)
     if adapters is not None:
-        return _load_base_and_adapters(state, model, optimizer, scheduler, source, weights_only, adapters)
+        return _load_base_and_adapters(state, model, optimizer, scheduler, source, weights_only, adapters, pretrained)
     if source is None:
         return None
     if adapter_metadata(source.found.path) is not None:
@@ -100,7 +101,7 @@ def _load_source(state, model: list, optimizer, scheduler, source: Source, weigh
 
 
 def _load_base_and_adapters(state, model: list, optimizer, scheduler, source: Optional[Source],
-                            weights_only: bool, adapters: AdapterPolicy) -> Path:
+                            weights_only: bool, adapters: AdapterPolicy, pretrained: Optional[str]) -> Path:
     """The frozen base weights, then the adapters when ``source`` is an adapter checkpoint."""
     ckpt = state.cfg.checkpoint
     if source is None:
@@ -114,7 +115,7 @@ def _load_base_and_adapters(state, model: list, optimizer, scheduler, source: Op
         state.base_checkpoint = ckpt.pretrained_checkpoint
         return _load_source(state, model, optimizer, scheduler, source, True, adapters.is_base_key, "base model")
     _check_adapters_match(source.found.path, saved, adapters.settings)
-    base_dir = ckpt.pretrained_checkpoint or saved.get("base_checkpoint")
+    base_dir = pretrained or ckpt.pretrained_checkpoint or saved.get("base_checkpoint")
     if not base_dir:
         raise CheckpointError(f"{source.found.path} holds LoRA adapters and does not name their base model. "
                               "Set checkpoint.pretrained_checkpoint=DIR.")
@@ -123,7 +124,7 @@ def _load_base_and_adapters(state, model: list, optimizer, scheduler, source: Op
     if base.path is None:
         raise CheckpointError(f"{key}: no checkpoint in {base_dir} (no {layout.TRACKER}, no iter_* folder, "
                               "no metadata.json). Set checkpoint.pretrained_checkpoint=DIR to the base model.")
-    state.base_checkpoint = base_dir  # the adapters saved by this run name the same base
+    state.base_checkpoint = ckpt.pretrained_checkpoint or base_dir  # the adapters saved by this run name the same base
     _load_source(state, model, optimizer, scheduler, Source(base, True, key), True, adapters.is_base_key, "base model")
     return _load_source(state, model, optimizer, scheduler, source, weights_only or source.weights_only,
                         adapters.is_adapter_key, "LoRA adapters")
@@ -137,8 +138,11 @@ def _check_adapters_match(path: Path, saved: dict, settings: dict) -> None:
                                   f"(this run: {settings.get(name)}). Set peft.{name}={saved[name]}.")
 
 
-def choose_source(ckpt, load_dir: Optional[str]) -> Optional[Source]:
-    """Which checkpoint to load (None: start from scratch); raises CheckpointError where the config demands one."""
+def choose_source(ckpt, load_dir: Optional[str], pretrained: Optional[str] = None) -> Optional[Source]:
+    """Which checkpoint to load (None: start from scratch); raises CheckpointError where the config demands one.
+
+    ``pretrained`` replaces the folder of ``checkpoint.pretrained_checkpoint`` (not its name in messages).
+    """
     if load_dir is not None:
         found = layout.find_checkpoint(Path(load_dir), ckpt.ckpt_step)
         newer = _newer_non_persistent(ckpt, Path(load_dir), found.iteration if found.path else -1)
@@ -159,7 +163,7 @@ def choose_source(ckpt, load_dir: Optional[str]) -> Optional[Source]:
             _say(f"no checkpoint in {load_dir}; starting from iteration 0.")
             return None
     if ckpt.pretrained_checkpoint is not None:
-        found = layout.find_checkpoint(Path(ckpt.pretrained_checkpoint))
+        found = layout.find_checkpoint(Path(pretrained or ckpt.pretrained_checkpoint))
         if found.path is None:
             raise CheckpointError(f"checkpoint.pretrained_checkpoint={ckpt.pretrained_checkpoint}: no checkpoint "
                                   f"there (no {layout.TRACKER}, no iter_* folder, no metadata.json).")

@@ -38,6 +38,8 @@ def load_config(overrides: list[str] | None, recipes_dir: list[Path] | None, wor
     """Compose, convert and validate one run's config (the recipe defaults to the tiny one); returns
     (recipe, ConfigContainer) with its derived values.
 
+    A ``checkpoint.pretrained_checkpoint`` that is a Hugging Face folder sets the model section from its
+    config.json, between the recipe and the command line (:mod:`bridge_cli.convert.hf_training`).
     ``resume='auto'`` points ``checkpoint.load`` at ``checkpoint.save`` when that holds a checkpoint
     and ``load`` is unset, while the config is built (before validation, which writes nothing).
     """
@@ -45,6 +47,7 @@ def load_config(overrides: list[str] | None, recipes_dir: list[Path] | None, wor
 
     import_megatron_core(runs_model)
     from bridge_cli.config.compose import compose
+    from bridge_cli.convert import hf_training
     from bridge_cli.training.config import ConfigContainer
 
     recipe, rest = DEFAULT_RECIPE, []
@@ -53,7 +56,13 @@ def load_config(overrides: list[str] | None, recipes_dir: list[Path] | None, wor
             recipe = item.split("=", 1)[1]
         else:
             rest.append(item)
-    container = ConfigContainer.from_yaml_dict(compose(recipe, rest, recipes_dir))
+    composed = compose(recipe, rest, recipes_dir)
+    pretrained = composed.checkpoint.pretrained_checkpoint
+    if hf_training.is_hf_folder(pretrained):
+        # config.json's model goes between the recipe and the command line (see convert.hf_training)
+        composed = compose(recipe, [*hf_training.model_overrides(pretrained), *rest], recipes_dir)
+        hf_training.check_model(composed.model, pretrained)
+    container = ConfigContainer.from_yaml_dict(composed)
     if resume is not None:
         from bridge_cli.checkpoint.load import resolve_resume
 
@@ -70,7 +79,12 @@ def print_dry_run(recipe: str, container) -> None:
     from omegaconf import OmegaConf
 
     from bridge_cli.config.compose import PRECEDENCE
+    from bridge_cli.convert import hf_training
 
     print(OmegaConf.to_yaml(container.to_dict()), end="")
-    print(f"# recipe: {recipe}\n# precedence: {PRECEDENCE}")
+    precedence = PRECEDENCE
+    if hf_training.is_hf_folder(container.checkpoint.pretrained_checkpoint):
+        precedence = PRECEDENCE.replace(" < command-line", " < config.json of checkpoint.pretrained_checkpoint "
+                                        "(model) < command-line")
+    print(f"# recipe: {recipe}\n# precedence: {precedence}")
     print(OmegaConf.to_yaml({"derived": container.derived.as_dict()}), end="")

@@ -1,6 +1,7 @@
 """Checkpoint section: where and how checkpoints are saved and loaded."""
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 from bridge_cli.config.fields import one_of
@@ -56,7 +57,16 @@ class CheckpointConfig:
     """Load only the model weights and restart at iteration 0 (assumed for release checkpoints)."""
 
     pretrained_checkpoint: Optional[str] = None
-    """Directory of a pretrained checkpoint to finetune from."""
+    """Directory of a pretrained checkpoint to start from, or a Hugging Face model folder (its config.json sets the model)."""
+
+    export_hf_dir: Optional[str] = None
+    """Write the final checkpoint as a Hugging Face folder here (new or empty) at the end of training; needs save."""
+
+    export_hf_model_type: Optional[str] = None
+    """Family export_hf_dir is written as (see `bridge convert-ckpt families`; None: the one the model fits)."""
+
+    export_hf_each_save: bool = False
+    """Export every persistent save instead, to export_hf_dir/iter_XXXXXXX (training waits for each export)."""
 
     ckpt_step: Optional[int] = None
     """Iteration to load from `load` (None: the latest)."""
@@ -122,6 +132,18 @@ class CheckpointConfig:
             problems.append(("async_save", "needs save set to a directory."))
         if self.async_save and not self.use_persistent_ckpt_worker:
             problems.append(("async_save", "needs use_persistent_ckpt_worker: true."))
+        if self.export_hf_dir is not None and self.save is None:
+            problems.append(("export_hf_dir", "needs save set to a directory (the export reads the final checkpoint)."))
+        export = Path(self.export_hf_dir) if self.export_hf_dir is not None else None
+        if export is not None and not self.export_hf_each_save and export.exists() and (
+                not export.is_dir() or any(export.iterdir())):
+            problems.append(("export_hf_dir", f"{self.export_hf_dir} already exists and is not an empty folder; "
+                             "choose a new one (the export would refuse it after training)."))
+        for name in ("export_hf_model_type", "export_hf_each_save"):
+            if getattr(self, name) not in (None, False) and self.export_hf_dir is None:
+                problems.append((name, "needs export_hf_dir."))
+        if self.export_hf_each_save and self.async_save:
+            problems.append(("export_hf_each_save", "needs async_save: false (an export reads a finished checkpoint)."))
         if self.most_recent_k == 0 or self.most_recent_k < -1:
             problems.append(("most_recent_k", f"must be -1 (keep all) or at least 1, got {self.most_recent_k}."))
         for name in ("save_interval", "non_persistent_save_interval"):

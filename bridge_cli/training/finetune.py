@@ -33,12 +33,13 @@ def finetune(config: ConfigContainer, forward_step_func: ForwardStepCallable) ->
 def check_finetune_inputs(config: ConfigContainer) -> None:
     """Before any device work: a pretrained checkpoint to start from, and the training data."""
     from bridge_cli.checkpoint.layout import require_checkpoint
+    from bridge_cli.convert.hf_training import is_hf_folder
 
     ckpt = config.checkpoint
     if ckpt.pretrained_checkpoint is None and ckpt.load is None:
         raise ConfigError("checkpoint.pretrained_checkpoint", "is not set; fine-tuning starts from a pretrained model.",
                           "Set checkpoint.pretrained_checkpoint=DIR, a folder `bridge pretrain checkpoint.save=DIR` wrote.")
-    if ckpt.pretrained_checkpoint is not None:
+    if ckpt.pretrained_checkpoint is not None and not is_hf_folder(ckpt.pretrained_checkpoint):
         require_checkpoint(Path(ckpt.pretrained_checkpoint),
                            label=f"checkpoint.pretrained_checkpoint={ckpt.pretrained_checkpoint}")
     if isinstance(config.dataset, FinetuningDatasetConfig) and not config.train.skip_train:

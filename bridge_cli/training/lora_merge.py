@@ -26,6 +26,7 @@ def merge_adapters(config: ConfigContainer, adapters: str, output: str, base: Op
     from bridge_cli.checkpoint import layout, state_dict
     from bridge_cli.checkpoint.load import adapter_metadata, load_checkpoint
     from bridge_cli.checkpoint.save import write_checkpoint
+    from bridge_cli.convert.hf_training import converted_for_loading
     from bridge_cli.peft.lora import adapter_policy, merge_lora
     from bridge_cli.training.pretrain import run_session
     from bridge_cli.training.setup import build_model, initialize
@@ -42,8 +43,11 @@ def merge_adapters(config: ConfigContainer, adapters: str, output: str, base: Op
         config.checkpoint, load=str(found.path), pretrained_checkpoint=base or saved.get("base_checkpoint"),
         ckpt_step=None))
     with run_session(run) as state:
-        model = build_model(run, initialize(state))
-        load_checkpoint(state, model, None, None, weights_only=True, adapters=adapter_policy(lora))
+        runtime = initialize(state)
+        model = build_model(run, runtime)
+        with converted_for_loading(run.checkpoint, runtime.local_rank, base_needed=True) as pretrained:
+            load_checkpoint(state, model, None, None, weights_only=True, adapters=adapter_policy(lora),
+                            pretrained=pretrained)
         merge_lora(model)
         state.train_state.step = found.iteration
         metadata = state_dict.content_metadata(run.optimizer.use_distributed_optimizer)

@@ -96,6 +96,11 @@ def pretrain(config: ConfigContainer, forward_step_func: ForwardStepCallable) ->
         manager.finalize(blocking=True)  # the saves are complete before the final evaluation
         if state.train_state.step < config.train.train_iters and not config.train.skip_train:
             return  # exit signal, exit_interval, exit_duration_in_mins: stop now, as Megatron-LM does
+        if config.checkpoint.export_hf_dir and not config.checkpoint.export_hf_each_save \
+                and manager.last_saved_step is not None:  # (with each_save, the final save has exported)
+            from bridge_cli.convert.hf_training import export_checkpoint
+
+            export_checkpoint(config.checkpoint, manager.last_saved_step)
         logger = state.training_logger = state.training_logger or TrainingLogger(state, out.model)
         for label, iterator in (("validation", out.valid_data_iterator), ("test", out.test_data_iterator)):
             if iterator is not None and config.train.eval_iters > 0:

@@ -180,6 +180,7 @@ def setup(state: GlobalState, checkpointing_context: Optional[dict] = None) -> S
     """
     from bridge_cli.checkpoint.load import load_checkpoint
     from bridge_cli.checkpoint.manager import CheckpointManager
+    from bridge_cli.convert.hf_training import converted_for_loading
     from bridge_cli.runtime.ddp import configure_grad_sync, wrap_model
     from bridge_cli.runtime.optimizer import build_optimizer
 
@@ -201,7 +202,8 @@ def setup(state: GlobalState, checkpointing_context: Optional[dict] = None) -> S
         cfg.checkpoint, model=model, optimizer=optimizer, scheduler=scheduler, train_state=state.train_state,
         run_record=cfg.run_record(), use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
         is_cuda=runtime.is_cuda, world_size=runtime.world_size, seq_length=cfg.model.seq_length, adapters=adapters)
-    load_checkpoint(state, model, optimizer, scheduler, adapters=adapters)
+    with converted_for_loading(cfg.checkpoint, runtime.local_rank, adapters is not None) as pretrained:  # a Hugging Face folder, converted for the load
+        load_checkpoint(state, model, optimizer, scheduler, adapters=adapters, pretrained=pretrained)
     manager.base_checkpoint = state.base_checkpoint
     clock.lap("checkpoint")
     train_it, valid_it, test_it = build_data_iterators(cfg, state, len(model))

@@ -190,6 +190,10 @@ def save_checkpoint_and_time(state: GlobalState, model: list, optimizer, opt_par
     kind = "non-persistent checkpoint" if non_persistent_ckpt else "checkpoint"
     how = "started in the background" if state.cfg.checkpoint.async_save else "saved"
     _say(f"{kind} {path} {how} in {time.time() - started:.2f} s")
+    if state.cfg.checkpoint.export_hf_each_save and not non_persistent_ckpt:
+        from bridge_cli.convert.hf_training import export_checkpoint
+
+        export_checkpoint(state.cfg.checkpoint, state.train_state.step)
 
 
 def checkpoint_and_decide_exit(state: GlobalState, model: list, optimizer, opt_param_scheduler,

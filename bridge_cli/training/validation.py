@@ -98,12 +98,22 @@ def validate_and_derive(cfg, world_size: int, device: str) -> Derived:
     ckpt = cfg.checkpoint
     check_output_folders([("checkpoint.save", ckpt.save), ("logger.tensorboard_dir", cfg.logger.tensorboard_dir),
                           ("logger.wandb_save_dir", cfg.logger.wandb_save_dir),
-                          ("checkpoint.non_persistent_global_ckpt_dir", ckpt.non_persistent_global_ckpt_dir)])
+                          ("checkpoint.non_persistent_global_ckpt_dir", ckpt.non_persistent_global_ckpt_dir),
+                          ("checkpoint.export_hf_dir", ckpt.export_hf_dir)])
+    _check_export_family(ckpt.export_hf_model_type)
     steps = _scheduler_steps(cfg.scheduler, global_batch, cfg.train.train_iters)
     model = _run_model(cfg.model, vocab_size, device)
     return Derived(world_size=world_size, device=device, data_parallel_size=dp, num_microbatches=microbatches,
                    global_batch_size=global_batch, vocab_size=vocab_size, padded_vocab_size=model.padded_vocab_size,
                    **steps, model=model)
+
+
+def _check_export_family(model_type: Optional[str]) -> None:
+    from bridge_cli.convert import families
+
+    if model_type is not None and model_type not in families.FAMILIES:
+        raise ConfigError("checkpoint.export_hf_model_type", f"{model_type!r} is not a family bridge converts.",
+                          f"Choose one of {families.supported()}, or leave it unset for the one the model fits.")
 
 
 def data_parallel_size(model, world_size: int) -> int:

@@ -216,16 +216,6 @@ def test_export_after_training_carries_the_trained_weights(work, hf_dirs, traine
     assert (logits - torch.load(reference(hf_dirs["llama"]))).abs().max().item() > 1e-3  # it trained
 
 
-@pytest.mark.slow
-def test_pretrain_from_a_hugging_face_folder_says_convert_first(hf_dirs):
-    result = bridge("pretrain", "recipe=tiny", f"checkpoint.pretrained_checkpoint={hf_dirs['qwen2']}",
-                    "train.train_iters=1")
-    assert result.returncode == 2, result.stderr[-3000:]
-    assert (f"{hf_dirs['qwen2']} is a Hugging Face model folder; convert it first: "
-            f"bridge convert-ckpt import-hf {hf_dirs['qwen2']} OUT_DIR") in result.stderr
-    assert "Traceback" not in result.stderr
-
-
 @pytest.fixture
 def broken(tmp_path, hf_dirs) -> Path:
     """A copy of the one-file Mistral folder for a test to damage."""
