@@ -180,7 +180,7 @@ def find_checkpoint(root: Path, step: Optional[int] = None) -> Found:
                      + (f"using the newest one, {iter_name(available[-1])}." if available else "nothing to load."))
     if available:
         return Found(checkpoint_dir(root, available[-1]), available[-1], notes=notes)
-    if (root / "config.json").is_file() and any(root.glob("*.safetensors")):
+    if holds_hugging_face_weights(root):
         raise CheckpointError(f"{root} is a Hugging Face model folder; convert it first: "
                               f"bridge convert-ckpt import-hf {root} OUT_DIR")
     foreign = sorted(p.name for p in root.iterdir() if p.suffix in _FOREIGN_SUFFIXES) if root.is_dir() else []
@@ -191,6 +191,11 @@ def find_checkpoint(root: Path, step: Optional[int] = None) -> Found:
                               "checkpoint.load at a folder that `bridge pretrain checkpoint.save=DIR` (or "
                               "Megatron-LM --save) wrote.")
     return Found(None, notes=notes)
+
+
+def holds_hugging_face_weights(root: Path) -> bool:
+    """Whether ``root`` holds a Hugging Face model: config.json and safetensors files."""
+    return (Path(root) / "config.json").is_file() and any(Path(root).glob("*.safetensors"))
 
 
 def _listing(iterations: list[int]) -> str:

@@ -61,9 +61,8 @@ def is_hf_folder(path: Optional[str]) -> bool:
     if path is None:
         return False
     folder = Path(path)
-    return ((folder / "config.json").is_file() and any(folder.glob("*.safetensors"))
-            and not layout.is_complete(folder) and not layout.complete_iterations(folder)
-            and not (folder / layout.TRACKER).is_file())
+    return (layout.holds_hugging_face_weights(folder) and not layout.is_complete(folder)
+            and not layout.complete_iterations(folder) and not (folder / layout.TRACKER).is_file())
 
 
 def model_fields(hf_dir: str) -> tuple[Any, dict[str, Any]]:
