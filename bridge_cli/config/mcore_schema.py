@@ -126,8 +126,8 @@ class SchemaField:
     default: Any
     choices: Optional[tuple] = None
     converter: Optional[_Converter] = None
-    shape: Optional[str] = None
-    """``tuple``: a YAML list that megatron-core takes as a tuple."""
+    as_tuple: bool = False
+    """A YAML list that megatron-core takes as a tuple (e.g. window_size)."""
 
 
 def _schema_field(f: dataclasses.Field, tp: Any) -> Optional[SchemaField]:
@@ -162,7 +162,7 @@ def _schema_field(f: dataclasses.Field, tp: Any) -> Optional[SchemaField]:
         items = set(typing.get_args(inner)) - {Ellipsis}
         if len(items) == 1 and items <= set(_PRIMITIVES):
             return SchemaField(f.name, wrap(typing.List[items.pop()]), None if default is None else list(default),
-                               shape="tuple")
+                               as_tuple=True)
     item = _scalar_or_list_item(inner)
     # Only the fields of this shape that bridge's layer specs build (the MoE layout and losses, the
     # sliding-window pattern); the others (no_rope_freq, linear_attention_freq, ...) stay unknown keys.
@@ -216,8 +216,8 @@ def build(section: str, cls: type, values: dict) -> Any:
     for f in schema_fields(cls):
         if f.converter is not None and f.name in kwargs:
             kwargs[f.name] = f.converter.from_name(f"{section}.{f.name}", kwargs[f.name])
-        elif f.shape and kwargs.get(f.name) is not None:
-            kwargs[f.name] = _shaped(f"{section}.{f.name}", f.shape, kwargs[f.name])
+        elif f.as_tuple and kwargs.get(f.name) is not None:
+            kwargs[f.name] = tuple(kwargs[f.name])
     try:
         return cls(**kwargs)
     except ImportError as err:  # e.g. model.moe_permute_fusion=true without Transformer Engine
@@ -242,11 +242,6 @@ def fields_named_in(message: str, cls: type) -> list[str]:
         if match is not None:
             found.append((match.start(), f.name))
     return [name for _, name in sorted(found)]
-
-
-def _shaped(key: str, shape: str, value: Any) -> Any:
-    """A YAML list of a tuple field, as the tuple megatron-core takes."""
-    return tuple(value)
 
 
 def to_yaml_values(section: str, cls: type, obj: Any) -> dict:
