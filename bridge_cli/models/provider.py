@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 from typing import Literal, Optional
@@ -69,6 +70,12 @@ class GPTModelProvider(MLATransformerConfig):
     moe_per_layer_logging: bool = False
     """Also write each MoE layer's auxiliary losses to the metric writers (moe/<loss>_layer_<i>), not only their mean."""
 
+    fp8: Optional[Literal["e4m3", "hybrid"]] = None
+    """FP8 GEMMs in the linear layers: e4m3 operands, or hybrid (e5m2 gradients); None: none (see fp8_recipe)."""
+
+    fp8_recipe: Literal["tensorwise", "rowwise", "delayed", "mxfp8", "blockwise", "custom"] = "tensorwise"
+    """FP8 scaling: tensorwise or rowwise (current scaling; every spec), delayed, mxfp8, blockwise or custom (te spec only)."""
+
     compile_layers: bool = False
     """torch.compile each transformer layer in place (all share one graph) and the language-model loss."""
 
@@ -94,9 +101,15 @@ class GPTModelProvider(MLATransformerConfig):
 
             define_missing_te_names()
         kwargs = {"vp_stage": vp_stage} if vp_stage is not None else {}
-        return GPTModel(
-            config=self,
-            transformer_layer_spec=layer_spec(self.spec or default_spec_name(), self, vp_stage),
+        spec = self.spec or default_spec_name()
+        config = self
+        if self.fp8 and spec != "te":
+            # The spec's own FP8 linears do it; megatron-core's fp8 code paths are Transformer Engine's.
+            config = copy.copy(self)
+            config.fp8 = None
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=layer_spec(spec, self, vp_stage),
             vocab_size=self.padded_vocab_size,
             max_sequence_length=self.seq_length,
             pre_process=pre_process,
@@ -112,3 +125,8 @@ class GPTModelProvider(MLATransformerConfig):
             rope_scaling_factor=self.rope_scaling_factor,
             **kwargs,
         )
+        if config is not self:
+            from bridge_cli.models.fp8_linear import keep_layers_in_bf16
+
+            keep_layers_in_bf16(model, self)
+        return model

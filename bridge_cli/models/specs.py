@@ -12,6 +12,9 @@
 ``model.moe_grouped_gemm=true`` on ``local`` and ``torch`` runs the experts as grouped GEMMs
 (:mod:`bridge_cli.models.moe_experts`) instead of megatron-core's per-expert ``SequentialMLP``.
 
+``model.fp8`` on ``local`` and ``torch`` runs the attention and MLP linears as FP8 GEMMs
+(:mod:`bridge_cli.models.fp8_linear`).
+
 ``local`` and ``torch`` normalise with ``torch.nn`` norms (megatron-core's ``WrappedTorchNorm``
 for RMSNorm), which do not support sequence parallelism.
 """
@@ -93,7 +96,35 @@ def layer_spec(name: str, config: TransformerConfig, vp_stage: Optional[int] = N
             layer.submodules.self_attention.submodules.core_attention = TorchAttention
         if config.moe_grouped_gemm:
             _use_grouped_gemm_experts(layer)
+        if config.fp8:
+            _use_fp8_linears(layer, config)
     return spec
+
+
+def _use_fp8_linears(layer: ModuleSpec, config: TransformerConfig) -> None:
+    """Swap megatron-core's parallel linears in the attention, the dense MLP and the shared experts of a
+    layer spec for their FP8 subclasses (:mod:`bridge_cli.models.fp8_linear`); routed experts stay."""
+    from dataclasses import fields
+
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from bridge_cli.models.fp8_linear import Fp8ColumnParallelLinear, Fp8RowParallelLinear, Fp8Scaling
+
+    swaps = {ColumnParallelLinear: Fp8ColumnParallelLinear, RowParallelLinear: Fp8RowParallelLinear}
+    scaling = Fp8Scaling.from_config(config)
+    mlp = _submodules(layer.submodules.mlp)
+    owners = [_submodules(layer.submodules.self_attention), mlp, _submodules(getattr(mlp, "shared_experts", None))]
+    for owner in filter(None, owners):
+        for f in fields(owner):
+            linear = getattr(owner, f.name)
+            if linear in swaps:
+                setattr(owner, f.name, ModuleSpec(module=swaps[linear], params={"fp8": scaling}))
+
+
+def _submodules(spec):
+    """The submodules dataclass of a ModuleSpec (megatron-core 0.16) or of a partial (0.19), or None."""
+    return getattr(spec, "submodules", None) or getattr(spec, "keywords", {}).get("submodules")
 
 
 def _use_sequence_parallel_norms(block: TransformerBlockSubmodules, layers: list) -> None:
@@ -133,8 +164,7 @@ def _use_grouped_gemm_experts(layer: ModuleSpec) -> None:
     """
     from bridge_cli.models.moe_experts import GroupedGemmExperts
 
-    mlp = layer.submodules.mlp
-    submodules = getattr(mlp, "submodules", None) or getattr(mlp, "keywords", {}).get("submodules")
+    submodules = _submodules(layer.submodules.mlp)
     if submodules is not None and hasattr(submodules, "experts"):
         submodules.experts = GroupedGemmExperts
 

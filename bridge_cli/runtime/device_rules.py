@@ -15,6 +15,7 @@ DEVICES = ("cpu", "cuda")
 CUDA_ONLY: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("model.bf16=true", lambda c: c.model.bf16, "model.bf16=false"),
     ("model.fp16=true", lambda c: c.model.fp16, "model.fp16=false"),
+    ("model.fp8", lambda c: c.model.fp8 is not None, "model.fp8=null"),
     ("optimizer.use_distributed_optimizer=true", lambda c: c.optimizer.use_distributed_optimizer,
      "optimizer.use_distributed_optimizer=false"),
     ("optimizer.optimizer_cpu_offload=true", lambda c: c.optimizer.optimizer_cpu_offload,
@@ -51,7 +52,7 @@ def check_device(cfg, device: str) -> None:
     found = [(setting, fix) for setting, enabled, fix in CUDA_ONLY if enabled(cfg)]
     if found:
         preset = cfg.mixed_precision not in (None, "fp32")
-        fixes = ["mixed_precision=fp32" if preset and setting.startswith(("model.bf16", "model.fp16")) else fix
+        fixes = ["mixed_precision=fp32" if preset and setting.startswith(("model.bf16", "model.fp16", "model.fp8")) else fix
                  for setting, fix in found]
         keys = ", ".join(setting for setting, _ in found)
         raise RuntimeUnavailable(

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from bridge_cli.logging.startup import StartupClock
+from bridge_cli.models.specs import default_spec_name
 from bridge_cli.training.config import ConfigContainer
 from bridge_cli.training.state import GlobalState
 
@@ -61,6 +62,8 @@ def build_model(cfg: ConfigContainer, runtime) -> list:
             # As Megatron-LM: half-precision weights, fp32 at the loss boundary.
             model = Float16Module(model_config, model)
         chunks.append(model)
+    if model_config.fp8 and (model_config.spec or default_spec_name()) != "te":
+        _report_fp8(chunks, model_config, runtime)
     if cfg.peft is not None:
         from bridge_cli.peft.lora import apply_lora
         from bridge_cli.runtime.collectives import is_last_rank
@@ -73,6 +76,16 @@ def build_model(cfg: ConfigContainer, runtime) -> list:
 
         compile_layers(chunks)
     return chunks
+
+
+def _report_fp8(chunks: list, model_config, runtime) -> None:
+    from bridge_cli.models.fp8_linear import fp8_linear_count
+    from bridge_cli.runtime.collectives import is_last_rank
+
+    fp8, bf16 = map(sum, zip(*(fp8_linear_count(chunk) for chunk in chunks)))
+    if is_last_rank():
+        print(f"FP8 GEMMs ({model_config.fp8_recipe} scaling, {model_config.fp8}): {fp8} linear layers in fp8, {bf16} "
+              f"in bf16; the output layer, routers and routed experts in bf16 (rank {runtime.rank})", flush=True)
 
 
 def adapter_policy(cfg: ConfigContainer):
