@@ -139,7 +139,7 @@ def _convert(weights: SafetensorsFolder, todo: list, arch, cfg, staging: Path) -
 
     mcore_io.init_process()
     model = mcore_io.build_model(mcore_io.model_config(cfg.run_record()["model"]))
-    params = dict(model.named_parameters())
+    params = mcore_io.weights(model)
     differ = set(params) ^ {pair.mcore for pair in todo}
     if differ:  # megatron-core's layer spec names its modules differently from hf_weights: a bug
         raise RuntimeError(f"megatron-core parameters and the Hugging Face mapping differ: {sorted(differ)}")
