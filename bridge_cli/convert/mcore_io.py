@@ -29,11 +29,12 @@ SINGLE_PROCESS = {
 }
 
 
-def init_process(tensor_model_parallel_size: int = 1):
+def init_process(tensor_model_parallel_size: int = 1, expert_model_parallel_size: int = 1):
     """Join a gloo process group (a world of one unless launched by torchrun) with megatron-core's groups."""
     from bridge_cli.runtime.distributed import init_distributed
 
-    return init_distributed("gloo", 30, tensor_model_parallel_size, 1)
+    return init_distributed("gloo", 30, tensor_model_parallel_size, 1,
+                            expert_model_parallel_size=expert_model_parallel_size)
 
 
 def model_config(values: dict[str, Any], **overrides):

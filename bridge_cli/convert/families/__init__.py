@@ -17,6 +17,7 @@ from bridge_cli.convert.families.llama import Llama
 from bridge_cli.convert.families.llama_like import LlamaLike
 from bridge_cli.convert.families.mistral import Mistral
 from bridge_cli.convert.families.mixtral import Mixtral
+from bridge_cli.convert.families.olmoe import Olmoe
 from bridge_cli.convert.families.phi3 import Phi3
 from bridge_cli.convert.families.qwen2 import Qwen2
 from bridge_cli.convert.families.qwen3 import Qwen3
@@ -25,11 +26,11 @@ from bridge_cli.convert.hf_config import unsupported
 
 FAMILIES: dict[str, LlamaLike] = {family.model_type: family
                                   for family in (Llama(), Mistral(), Qwen2(), Qwen3(), Phi3(),
-                                                 Mixtral(), Qwen3Moe())}
+                                                 Mixtral(), Qwen3Moe(), Olmoe())}
 """model_type -> its family, in the order export tries them."""
 
 INFERRED = ("llama", "qwen2", "qwen3", "phi3",
-            "mixtral", "qwen3_moe")
+            "mixtral", "qwen3_moe", "olmoe")
 """The families export picks without --model-type."""
 
 

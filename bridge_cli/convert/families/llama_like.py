@@ -17,7 +17,8 @@ from bridge_cli.convert.hf_weights import Architecture, Layout, Pair
 LLAMA_STYLE = {
     "normalization": "RMSNorm", "activation_func": "silu", "gated_linear_unit": True, "add_bias_linear": False,
     "position_embedding_type": "rope", "rotary_percent": 1.0, "rotary_interleaved": False,
-    "seq_len_interpolation_factor": None, "qk_layernorm": False, "num_moe_experts": None,
+    "seq_len_interpolation_factor": None, "qk_layernorm": False, "qk_layernorm_across_heads": False,
+    "num_moe_experts": None,
     "multi_latent_attention": False, "layernorm_zero_centered_gamma": False,
     "apply_residual_connection_post_layernorm": False,
 }
