@@ -100,6 +100,8 @@ def recipe_text(base, fields: dict, hf_dir: Path, out_dir: Path, model_type: str
     model = {**(recipe.get("model") or {}), **fields}
     if tensor_parallel > 1:
         model["tensor_model_parallel_size"] = tensor_parallel
+        if model.get("num_moe_experts"):  # megatron-core's MoE layer trains under TP only so
+            model["sequence_parallel"] = True
     if pipeline_parallel > 1:
         model["pipeline_model_parallel_size"] = pipeline_parallel
     recipe["model"] = model

@@ -4,18 +4,18 @@
 megatron-core's ``qk_layernorm`` normalises each head on its own (Qwen3); OLMoE normalises the
 ``heads * head_dim`` values of a token's query projection together, and likewise its keys, with
 one weight per value. Under tensor parallelism each rank holds some of the heads, so the sum of
-squares is all-reduced over the tensor-parallel group (its gradient too), and the weight is split
-across the ranks with the heads (stored whole in the checkpoint, as ``q_layernorm.weight``).
+squares is all-reduced over the tensor-parallel group (its gradient too). Every rank holds the
+whole weight and uses the part of its heads: megatron-core sums the gradients of parameters named
+``q_layernorm``/``k_layernorm`` over the tensor-parallel group (it does so for its per-head norms),
+which here adds up each rank's part into the whole gradient, and the checkpoint stores the weight
+once, as ``q_layernorm.weight``.
 """
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from megatron.core import parallel_state
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
 
 class ProjectionRMSNorm(torch.nn.Module):
@@ -28,12 +28,12 @@ class ProjectionRMSNorm(torch.nn.Module):
         self.group = parallel_state.get_tensor_model_parallel_group()
         self.tp = config.tensor_model_parallel_size
         self.size = heads * hidden_size
+        local, rank = self.size // self.tp, parallel_state.get_tensor_model_parallel_rank()
+        self.local = slice(rank * local, (rank + 1) * local)
+        """The part of the weight that this rank's heads use."""
         self.eps = eps
         device = "cpu" if config.use_cpu_initialization or not torch.cuda.is_available() else torch.cuda.current_device()
-        self.weight = torch.nn.Parameter(torch.ones(self.size // self.tp, dtype=config.params_dtype, device=device))
-        self.weight.tensor_model_parallel = True
-        self.weight.partition_dim = 0
-        self.weight.partition_stride = 1
+        self.weight = torch.nn.Parameter(torch.ones(self.size, dtype=config.params_dtype, device=device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x``: ``[sequence, batch, local heads, head size]``; computed in float32, as transformers does."""
@@ -42,12 +42,7 @@ class ProjectionRMSNorm(torch.nn.Module):
         if self.tp > 1:
             squares = torch.distributed.nn.functional.all_reduce(squares, group=self.group)
         normed = flat * torch.rsqrt(squares / self.size + self.eps)
-        return (self.weight * normed.to(x.dtype)).view_as(x)
-
-    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
-        """The weight, split over the tensor-parallel ranks along its one axis."""
-        return make_sharded_tensors_for_checkpoint(self.state_dict(prefix="", keep_vars=True), prefix, {"weight": 0},
-                                                   sharded_offsets)
+        return (self.weight[self.local] * normed.to(x.dtype)).view_as(x)
 
 
 def projection_norm_specs() -> tuple[ModuleSpec, ModuleSpec]:

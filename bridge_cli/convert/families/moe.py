@@ -70,7 +70,7 @@ class MoELike(LlamaLike):
         key = next((key for key in (self.experts_key, *EXPERT_COUNT_KEYS) if key in hf), self.experts_key)
         experts, topk = get(key), get("num_experts_per_tok")
         if topk > experts:
-            unsupported(where, f"num_experts_per_tok ({topk}) is more than {self.experts_key} ({experts})")
+            unsupported(where, f"num_experts_per_tok ({topk}) is more than {key} ({experts})")
         if hf.get("router_jitter_noise"):
             unsupported(where, f"router_jitter_noise {hf['router_jitter_noise']}: transformers scales the experts' "
                                "input by the noise too, megatron-core's moe_input_jitter_eps only the router's")
