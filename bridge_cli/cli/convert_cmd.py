@@ -51,7 +51,7 @@ def export_hf(
     max_shard_size: Annotated[str, typer.Option(help="Largest safetensors file before sharding, e.g. 5GB.")] = "5GB",
     model_type: Annotated[Optional[str], typer.Option(
         help="Family to write (see `families`; default: qwen3 with q/k norms, qwen2 with q/k/v biases, phi3 with "
-             "partial RoPE, else llama).")] = None,
+             "partial RoPE, else llama; with experts mixtral, qwen3_moe or olmoe).")] = None,
     debug: Debug = False,
 ) -> None:
     """Convert a bridge / Megatron torch_dist checkpoint into a folder transformers loads."""

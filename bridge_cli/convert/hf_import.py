@@ -100,6 +100,8 @@ def recipe_text(base, fields: dict, hf_dir: Path, out_dir: Path, model_type: str
     model = {**(recipe.get("model") or {}), **fields}
     if tensor_parallel > 1:
         model["tensor_model_parallel_size"] = tensor_parallel
+        if model.get("num_moe_experts"):  # megatron-core's MoE layer trains under TP only so
+            model["sequence_parallel"] = True
     if pipeline_parallel > 1:
         model["pipeline_model_parallel_size"] = pipeline_parallel
     recipe["model"] = model
@@ -139,7 +141,7 @@ def _convert(weights: SafetensorsFolder, todo: list, arch, cfg, staging: Path) -
 
     mcore_io.init_process()
     model = mcore_io.build_model(mcore_io.model_config(cfg.run_record()["model"]))
-    params = dict(model.named_parameters())
+    params = mcore_io.weights(model)
     differ = set(params) ^ {pair.mcore for pair in todo}
     if differ:  # megatron-core's layer spec names its modules differently from hf_weights: a bug
         raise RuntimeError(f"megatron-core parameters and the Hugging Face mapping differ: {sorted(differ)}")

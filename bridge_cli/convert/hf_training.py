@@ -51,6 +51,11 @@ SHAPE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_h
                 "kv_channels", "vocab_size", "share_embeddings_and_output_weights")
 """Model fields that set the weights' shapes; with the family's fixed fields, the command line cannot change them."""
 
+MOE_FIELDS = ("num_moe_experts", "moe_ffn_hidden_size", "moe_layer_freq", "moe_shared_expert_intermediate_size",
+              "moe_router_topk", "moe_router_pre_softmax", "moe_router_topk_scaling_factor", "moe_router_num_groups",
+              "moe_router_group_topk")
+"""Those of a mixture-of-experts model (its experts' shapes and its routing), which config.json sets per model."""
+
 _LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
                "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 """torchrun's variables, which the conversion's child process must not see (it is a world of one)."""
@@ -84,7 +89,7 @@ def check_model(model: Mapping[str, Any], hf_dir: str) -> None:
     applied after config.json, can make it differ), and a seq_length longer than the model supports."""
     family, fields = model_fields(hf_dir)
     where = Path(hf_dir) / "config.json"
-    fixed = [*SHAPE_FIELDS, *(key for key in fields if key in family.fixed)]
+    fixed = [*SHAPE_FIELDS, *(key for key in fields if key in family.fixed or key in MOE_FIELDS)]
     for key in fixed:
         if model.get(key) != fields[key]:
             raise ConfigError(f"model.{key}", f"the command line sets {model.get(key)!r}; {where} says {fields[key]!r}, "

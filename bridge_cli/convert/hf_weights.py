@@ -14,12 +14,16 @@ differ from Hugging Face's:
   (Phi-3's fused ``gate_up_proj`` is already that).
 - The embedding and output layer may hold padding rows beyond the vocabulary
   (``make_vocab_size_divisible_by``); export drops them.
+- A mixture-of-experts layer holds one ``linear_fc1``/``linear_fc2`` per expert
+  (``experts.local_experts.<j>``, the names of megatron-core's SequentialMLP, whose checkpoint
+  format the grouped-GEMM experts share), each laid out as the dense MLP's.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+from typing import Optional
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 """Hugging Face tensors that carry no weights (old Llama checkpoints saved the RoPE frequencies)."""
@@ -47,14 +51,27 @@ class Architecture:
     tied: bool
     qkv_bias: bool
     qk_norm: bool
+    num_experts: int = 0
+    """Routed experts of each mixture-of-experts layer (0: a dense model)."""
+    moe_ffn_hidden_size: int = 0
+    moe_layers: tuple[bool, ...] = ()
+    """Per layer, whether it is a mixture-of-experts layer (megatron-core's moe_layer_freq)."""
+    shared_expert_size: Optional[int] = None
+    """FFN size of the shared experts an MoE layer adds to the routed ones (None: none)."""
+    expert_bias: bool = False
+    """Whether the router holds a per-expert bias for choosing experts (DeepSeek-V3's e_score_correction_bias)."""
 
     @classmethod
     def of(cls, model) -> "Architecture":
-        """From a GPTModelProvider (megatron-core has filled in the defaulted sizes)."""
+        """From a GPTModelProvider (megatron-core has filled in the defaulted sizes), or the ``model:`` fields."""
+        experts = getattr(model, "num_moe_experts", None) or 0
         return cls(model.num_layers, model.hidden_size, model.ffn_hidden_size, model.num_attention_heads,
                    model.num_query_groups or model.num_attention_heads, model.kv_channels, model.vocab_size,
                    model.share_embeddings_and_output_weights, model.add_qkv_bias,
-                   model.qk_layernorm)
+                   model.qk_layernorm, experts, (model.moe_ffn_hidden_size or 0) if experts else 0,
+                   moe_layer_pattern(model.moe_layer_freq, model.num_layers) if experts else (),
+                   model.moe_shared_expert_intermediate_size if experts else None,
+                   bool(experts and model.moe_router_enable_expert_bias))
 
     @property
     def heads_per_group(self) -> int:
@@ -65,6 +82,14 @@ class Architecture:
         """Rows of q, k and v in Hugging Face's projections."""
         kv = self.num_query_groups * self.kv_channels
         return self.num_attention_heads * self.kv_channels, kv, kv
+
+
+def moe_layer_pattern(freq, num_layers: int) -> tuple[bool, ...]:
+    """Per layer, whether megatron-core's ``moe_layer_freq`` makes it an MoE layer: a list of 0/1, or
+    every ``freq``-th layer starting with the first."""
+    if isinstance(freq, int):
+        return tuple(i % freq == 0 for i in range(num_layers))
+    return tuple(bool(v) for v in freq)
 
 
 @dataclass(frozen=True)

@@ -29,11 +29,12 @@ SINGLE_PROCESS = {
 }
 
 
-def init_process(tensor_model_parallel_size: int = 1):
+def init_process(tensor_model_parallel_size: int = 1, expert_model_parallel_size: int = 1):
     """Join a gloo process group (a world of one unless launched by torchrun) with megatron-core's groups."""
     from bridge_cli.runtime.distributed import init_distributed
 
-    return init_distributed("gloo", 30, tensor_model_parallel_size, 1)
+    return init_distributed("gloo", 30, tensor_model_parallel_size, 1,
+                            expert_model_parallel_size=expert_model_parallel_size)
 
 
 def model_config(values: dict[str, Any], **overrides):
@@ -51,8 +52,20 @@ def build_model(config):
 
     megatron-core builds its torch norms in float32 and leaves the cast to its Float16Module
     wrapper in half-precision training, so the checkpoints of such runs hold half-precision norms.
+    A router's expert bias stays float32, as megatron-core keeps it.
     """
-    return config.provide().to(config.params_dtype)
+    model = config.provide().to(config.params_dtype)
+    for module in model.modules():  # megatron-core keeps a router's expert bias in float32 in every precision
+        if getattr(module, "expert_bias", None) is not None:
+            module.expert_bias.data = module.expert_bias.data.float()
+    return model
+
+
+def weights(model) -> dict[str, Any]:
+    """The tensors a checkpoint holds of ``model``, by name: its parameters and persistent buffers (a
+    router's expert bias)."""
+    stored = set(model.state_dict(keep_vars=True))
+    return {name: tensor for name, tensor in [*model.named_parameters(), *model.named_buffers()] if name in stored}
 
 
 def saved_model_values(path: Path) -> dict[str, Any]:
@@ -118,7 +131,7 @@ def stream_weights(model, model_cfg, path: Path) -> Iterator[dict[str, Any]]:
     from bridge_cli.convert.layer_reader import read_by_layer
 
     template = _checked_template(model, model_cfg, path)["model"]
-    params = set(dict(model.named_parameters()))
+    params = set(weights(model))
     groups = read_by_layer({name: value for name, value in template.items() if name in params}, path)
     with _quiet_loading():
         while (group := _read(path, lambda _: next(groups, None))) is not None:

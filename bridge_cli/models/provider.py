@@ -76,6 +76,9 @@ class GPTModelProvider(MLATransformerConfig):
     fp8_recipe: Literal["tensorwise", "rowwise", "delayed", "mxfp8", "blockwise", "custom"] = "tensorwise"
     """FP8 scaling: tensorwise or rowwise (current scaling; every spec), delayed, mxfp8, blockwise or custom (te spec only)."""
 
+    qk_layernorm_across_heads: bool = False
+    """With qk_layernorm: RMS-normalise each token's whole query and key projections (all heads together, OLMoE), not each head."""
+
     compile_layers: bool = False
     """torch.compile each transformer layer in place (all share one graph) and the language-model loss."""
 
@@ -85,6 +88,16 @@ class GPTModelProvider(MLATransformerConfig):
             MLATransformerConfig.__post_init__(self)
         else:
             TransformerConfig.__post_init__(self)
+        if self.qk_layernorm_across_heads:
+            self._check_qk_layernorm_across_heads()
+
+    def _check_qk_layernorm_across_heads(self) -> None:
+        if not self.qk_layernorm or self.multi_latent_attention or self.normalization != "RMSNorm":
+            raise ValueError("qk_layernorm_across_heads needs qk_layernorm=true, normalization=RMSNorm and no "
+                             "multi_latent_attention")
+        if (self.num_query_groups or self.num_attention_heads) % self.tensor_model_parallel_size:
+            raise ValueError("qk_layernorm_across_heads needs num_query_groups to be a multiple of "
+                             "tensor_model_parallel_size (each rank normalises the key heads it holds)")
 
     @property
     def padded_vocab_size(self) -> int:

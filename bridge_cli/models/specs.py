@@ -9,6 +9,9 @@
            and FlexAttention for packed documents, sliding windows and sinks; the fast path without
            Transformer Engine, and the default on the CPU.
 
+``model.qk_layernorm_across_heads=true`` swaps the q/k norms of every spec for
+:mod:`bridge_cli.models.projection_norm`'s (OLMoE's norm of the whole projection).
+
 ``model.moe_grouped_gemm=true`` on ``local`` and ``torch`` runs the experts as grouped GEMMs
 (:mod:`bridge_cli.models.moe_experts`) instead of megatron-core's per-expert ``SequentialMLP``.
 
@@ -80,10 +83,13 @@ def layer_spec(name: str, config: TransformerConfig, vp_stage: Optional[int] = N
             qk_l2_norm=config.qk_l2_norm, vp_stage=vp_stage)
         layers = list({id(layer): layer for layer in spec.layer_specs}.values())
     elif use_te:
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(**options)
+        spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(**options)
+        layers = [spec]
     else:
         spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization=config.normalization, **options)
         layers = [spec]
+    if getattr(config, "qk_layernorm_across_heads", False):
+        _use_projection_norms(layers)
     if use_te:
         return spec
     if config.num_moe_experts:
@@ -125,6 +131,16 @@ def _use_fp8_linears(layer: ModuleSpec, config: TransformerConfig) -> None:
 def _submodules(spec):
     """The submodules dataclass of a ModuleSpec (megatron-core 0.16) or of a partial (0.19), or None."""
     return getattr(spec, "submodules", None) or getattr(spec, "keywords", {}).get("submodules")
+
+
+def _use_projection_norms(layers: list) -> None:
+    """Normalise each token's whole query and key projections (OLMoE) instead of each head:
+    :class:`~bridge_cli.models.projection_norm.ProjectionRMSNorm` as the attention's q/k norms."""
+    from bridge_cli.models.projection_norm import projection_norm_specs
+
+    for layer in layers:
+        attention = layer.submodules.self_attention.submodules
+        attention.q_layernorm, attention.k_layernorm = projection_norm_specs()
 
 
 def _use_sequence_parallel_norms(block: TransformerBlockSubmodules, layers: list) -> None:

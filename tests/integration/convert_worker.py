@@ -1,12 +1,13 @@
-"""Logits of bridge checkpoints under given tensor-parallel sizes; run alone or under torchrun.
+"""Logits of bridge checkpoints under given tensor- and expert-parallel sizes; run alone or under torchrun.
 
-Used by test_convert_hf.py. For each ``--tp`` size and each ``--ckpt NAME=DIR``, the model of the
-checkpoint's run_config.yaml is built for that layout, the checkpoint is loaded into it
-(megatron-core reshards it), and rank 0 writes the logits of the tokens in ``--tokens`` over the
-real vocabulary (padding rows dropped) to ``OUT/NAME_tp<N>.pt``. With ``--resave``, each
-checkpoint loaded at the largest size is saved again under ``OUT/NAME_tp<N>_saved`` in that
-layout (its tensors split across the ranks), for export to read back. One launch serves every
-checkpoint, since starting the processes costs far more than the models.
+Used by test_convert_hf.py. For each ``--tp`` size, each ``--ep`` size (at TP=1, mixture-of-experts
+checkpoints only) and each ``--ckpt NAME=DIR``, the model of the checkpoint's run_config.yaml is
+built for that layout, the checkpoint is loaded into it (megatron-core reshards it), and rank 0
+writes the logits of the tokens in ``--tokens`` over the real vocabulary (padding rows dropped) to
+``OUT/NAME_tp<N>.pt`` (``OUT/NAME_ep<N>.pt``). With ``--resave``, each checkpoint loaded at the
+largest TP size, and each loaded at an EP size, is saved again under ``OUT/NAME_tp<N>_saved``
+(``_ep<N>_saved``) in that layout (its tensors split across the ranks), for export to read back.
+One launch serves every checkpoint, since starting the processes costs far more than the models.
 """
 
 from __future__ import annotations
@@ -29,29 +30,40 @@ def main() -> None:
     parser.add_argument("--tokens", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--tp", type=int, nargs="+", default=[1])
+    parser.add_argument("--ep", type=int, nargs="*", default=[])
     parser.add_argument("--resave", action="store_true")
     args = parser.parse_args()
 
     tokens = torch.load(args.tokens)
-    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
     checkpoints = {name: layout.require_checkpoint(Path(folder)).path
                    for name, folder in (item.split("=", 1) for item in args.ckpt)}
     for tp in args.tp:
         mcore_io.init_process(tp)
         for name, path in checkpoints.items():
-            # parallel_output=False gathers the vocabulary shards of the logits onto every rank
-            config = mcore_io.model_config(mcore_io.saved_model_values(path), tensor_model_parallel_size=tp,
-                                           parallel_output=False)
-            model = mcore_io.build_model(config)
-            mcore_io.load_weights(model, config, path)
-            model.eval()
-            with torch.no_grad():
-                logits = model(tokens, positions, None)
-            if dist.get_rank() == 0:
-                torch.save(logits[..., : config.vocab_size].clone(), args.out / f"{name}_tp{tp}.pt")
-            if args.resave and tp == max(args.tp):
-                resave(model, path, args.out / f"{name}_tp{tp}_saved")
+            run(name, path, tokens, args.out, f"tp{tp}", args.resave and tp == max(args.tp),
+                tensor_model_parallel_size=tp)
+    for ep in args.ep:
+        mcore_io.init_process(1, ep)
+        for name, path in checkpoints.items():
+            if mcore_io.saved_model_values(path).get("num_moe_experts"):
+                run(name, path, tokens, args.out, f"ep{ep}", args.resave, expert_model_parallel_size=ep)
     dist.barrier()
+
+
+def run(name: str, path: Path, tokens: torch.Tensor, out: Path, layout_name: str, resave_it: bool, **sizes) -> None:
+    """Load checkpoint ``path`` under the parallel ``sizes``; write its logits (and, with ``resave_it``, the
+    checkpoint in that layout)."""
+    # parallel_output=False gathers the vocabulary shards of the logits onto every rank
+    config = mcore_io.model_config(mcore_io.saved_model_values(path), parallel_output=False, **sizes)
+    model = mcore_io.build_model(config)
+    mcore_io.load_weights(model, config, path)
+    model.eval()
+    with torch.no_grad():
+        logits = model(tokens, torch.arange(tokens.shape[1]).expand_as(tokens), None)
+    if dist.get_rank() == 0:
+        torch.save(logits[..., : config.vocab_size].clone(), out / f"{name}_{layout_name}.pt")
+    if resave_it:
+        resave(model, path, out / f"{name}_{layout_name}_saved")
 
 
 def resave(model, path: Path, root: Path) -> None:

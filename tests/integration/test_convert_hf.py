@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -22,6 +23,7 @@ import torch
 import yaml
 
 from tests.conftest import REPO, bridge, torchrun
+from tests.integration.test_pretrain_cpu import losses
 
 transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402  (installed with transformers)
@@ -47,7 +49,19 @@ MODELS = {
     # fused qkv_proj and gate_up_proj, RoPE on half of each head, a window that caps seq_length
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(vocab_size=576, partial_rotary_factor=0.5, sliding_window=64,
                                                    eos_token_id=2, pad_token_id=None, tie_word_embeddings=False), None),
+    # every layer MoE; softmax over the experts, top-2, renormalised
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(vocab_size=512, num_local_experts=4, num_experts_per_tok=2,
+                                                            tie_word_embeddings=False), None),
+    # per-head q/k norms, a dense first layer (mlp_only_layers), top-2 not renormalised
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        vocab_size=512, head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+        norm_topk_prob=False, mlp_only_layers=[0], tie_word_embeddings=False), None),
+    # q/k norms over the whole projection, top-2 renormalised
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(vocab_size=512, num_experts=4, num_experts_per_tok=2,
+                                                      norm_topk_prob=True, tie_word_embeddings=False), None),
 }
+MOE = ("mixtral", "qwen3_moe", "olmoe")
+"""The mixture-of-experts families, loaded at EP=2 too."""
 EXPORT_ARGS = {"mistral": ["--model-type", "mistral"]}
 """export-hf picks the family from the model; a Mistral (without its window, a Llama) must be named."""
 
@@ -138,7 +152,8 @@ def trained(work, imported) -> Path:
 
 @pytest.fixture(scope="module")
 def mcore_logits(work, imported, trained) -> dict[tuple[str, int], torch.Tensor]:
-    """megatron-core's logits of every checkpoint at TP=1 and TP=2, from one torchrun launch of two ranks."""
+    """megatron-core's logits of every checkpoint at TP=1 and TP=2, and of the MoE ones at EP=2, from one
+    torchrun launch of two ranks."""
     out = work / "logits"
     out.mkdir()
     checkpoints = [f"{name}={folder}" for name, folder in {**imported, "trained": trained}.items()]
@@ -146,17 +161,17 @@ def mcore_logits(work, imported, trained) -> dict[tuple[str, int], torch.Tensor]
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     ok(subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                        str(WORKER), "--ckpt", *checkpoints, "--tokens", str(work / "tokens.pt"), "--out", str(out),
-                       "--tp", "1", "2", "--resave"], env=env, capture_output=True, text=True, timeout=600, cwd=REPO))
-    return {(file.stem.rsplit("_tp", 1)[0], int(file.stem.rsplit("_tp", 1)[1])): torch.load(file)
-            for file in out.glob("*.pt")}
+                       "--tp", "1", "2", "--ep", "2", "--resave"], env=env, capture_output=True, text=True,
+                      timeout=900, cwd=REPO))
+    return {tuple(file.stem.rsplit("_", 1)): torch.load(file) for file in out.glob("*.pt")}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp", [1, 2])
-@pytest.mark.parametrize("name", list(MODELS))
-def test_imported_model_reproduces_transformers_logits(name, tp, hf_dirs, mcore_logits):
+@pytest.mark.parametrize("name, layout", [(name, layout) for name in MODELS
+                                          for layout in ("tp1", "tp2", *(("ep2",) if name in MOE else ()))])
+def test_imported_model_reproduces_transformers_logits(name, layout, hf_dirs, mcore_logits):
     expected = torch.load(reference(hf_dirs[name]))
-    got = mcore_logits[(name, tp)]
+    got = mcore_logits[(name, layout)]
     assert got.shape == expected.shape
     assert (got - expected).abs().max().item() < ATOL
 
@@ -175,7 +190,8 @@ def test_import_writes_a_checkpoint_and_recipe_in_the_project_layout(imported):
         assert model["add_qkv_bias"] == (name == "qwen2")
         assert model["share_embeddings_and_output_weights"] == (name == "qwen2")
         assert model["rope_scaling"] == (name == "llama")
-        assert model["qk_layernorm"] == (name == "qwen3")
+        assert model["qk_layernorm"] == (name in ("qwen3", "qwen3_moe", "olmoe"))
+        assert model.get("num_moe_experts") == (4 if name in MOE else None)
         assert model["rotary_percent"] == (0.5 if name == "phi3" else 1.0)
         assert model["seq_length"] == (64 if name == "phi3" else 128)  # capped at phi3's sliding window
 
@@ -194,11 +210,13 @@ def test_round_trip_gives_identical_tensors(name, work, hf_dirs, imported, token
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["qwen2", "phi3"])
-def test_export_reads_a_checkpoint_saved_with_tensor_parallelism(name, work, hf_dirs, mcore_logits):
-    """Saved at TP=2, every tensor is split in two chunks; export reads each layer's region across them."""
-    out = work / f"from_tp2_{name}"
-    ok(bridge("convert-ckpt", "export-hf", str(work / "logits" / f"{name}_tp2_saved"), str(out)))
+@pytest.mark.parametrize("name, layout", [("qwen2", "tp2"), ("phi3", "tp2"), ("olmoe", "tp2"),
+                                          *((name, "ep2") for name in MOE)])
+def test_export_reads_a_checkpoint_saved_with_tensor_or_expert_parallelism(name, layout, work, hf_dirs, mcore_logits):
+    """Saved at TP=2, every tensor is split in two chunks; at EP=2, each rank wrote half of the experts.
+    Export reads each layer's region across them."""
+    out = work / f"from_{layout}_{name}"
+    ok(bridge("convert-ckpt", "export-hf", str(work / "logits" / f"{name}_{layout}_saved"), str(out)))
     original, exported = safetensors_of(hf_dirs[name]), safetensors_of(out)
     assert sorted(exported) == sorted(original)
     for key, tensor in original.items():
@@ -211,9 +229,22 @@ def test_export_after_training_carries_the_trained_weights(work, hf_dirs, traine
     ok(bridge("convert-ckpt", "export-hf", str(trained), str(out), "--max-shard-size", "300KB"))
     assert (out / "model.safetensors.index.json").is_file() and len(list(out.glob("*.safetensors"))) > 1
     logits = hf_logits(out, tokens)
-    for tp in (1, 2):
+    for tp in ("tp1", "tp2"):
         assert (logits - mcore_logits[("trained", tp)]).abs().max().item() < ATOL
     assert (logits - torch.load(reference(hf_dirs["llama"]))).abs().max().item() > 1e-3  # it trained
+
+
+@pytest.mark.slow
+def test_imported_olmoe_trains_the_same_at_tensor_parallel_two(imported):
+    """OLMoE's q/k norms over the whole projection all-reduce over the TP group, forward and backward."""
+    args = ["pretrain", f"recipe={imported['olmoe'] / 'recipe.yaml'}", "train.train_iters=3", "train.eval_iters=0",
+            "logger.log_interval=1", "train.global_batch_size=4", "train.micro_batch_size=2", "model.seq_length=64"]
+    one = ok(bridge(*args))
+    two = ok(torchrun(2, *args, "model.tensor_model_parallel_size=2", "model.sequence_parallel=true"))
+    curves = [(losses(run.stdout), [float(n) for n in re.findall(r"\| grad norm ([0-9.]+) ", run.stdout)])
+              for run in (one, two)]
+    assert len(curves[0][0]) == 3 and curves[1][0] == pytest.approx(curves[0][0], rel=1e-4), curves
+    assert curves[1][1] == pytest.approx(curves[0][1], abs=2e-3), curves
 
 
 @pytest.fixture
@@ -254,8 +285,6 @@ def truncate(file: Path) -> None:
     (lambda f: truncate(f / "model.safetensors"), [], ["model.safetensors: not a readable safetensors file"]),
     (lambda f: (f / "model.safetensors").unlink(), [], ["holds no *.safetensors file"]),
     (lambda f: edit_config(f, rope_scaling={"rope_type": "yarn", "factor": 4.0}), [], ["RoPE scaling 'yarn'"]),
-    (lambda f: edit_config(f, model_type="qwen3_moe"), [],
-     ["model_type 'qwen3_moe' is not supported", "Supported: llama, mistral, qwen2, qwen3, phi3"]),
     (lambda f: edit_config(f, model_type="phi3", rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 8,
                                                                "long_factor": [2.0] * 8}), [],
      ["RoPE scaling 'longrope'", "LongRoPE (Phi-3 128k"]),
@@ -274,6 +303,24 @@ def test_import_errors_name_the_problem_and_leave_no_output(cli, broken, tmp_pat
     for fragment in fragments:
         assert fragment in result.stderr, result.stderr
     assert not out.exists() and not (tmp_path / "out.incomplete").exists()
+
+
+@pytest.mark.parametrize("name, changes, fragments", [
+    ("mixtral", dict(router_jitter_noise=0.1), ["router_jitter_noise 0.1: transformers scales the experts' input"]),
+    ("olmoe", dict(clip_qkv=8.0), ["clip_qkv 8.0: megatron-core does not clamp"]),
+    ("qwen3_moe", dict(norm_topk_prob=True, num_experts_per_tok=1), ["norm_topk_prob with num_experts_per_tok 1"]),
+    ("qwen3_moe", dict(num_experts_per_tok=5), ["num_experts_per_tok (5) is more than num_"]),
+    ("qwen3_moe", dict(mlp_only_layers=[0, 1]), ["no MoE layer", "Convert it as qwen3"]),
+])
+def test_moe_import_refuses_routing_megatron_core_cannot_compute(cli, hf_dirs, tmp_path, name, changes, fragments):
+    folder = tmp_path / "hf"
+    shutil.copytree(hf_dirs[name], folder)
+    edit_config(folder, **changes)
+    result = cli("convert-ckpt", "import-hf", str(folder), str(tmp_path / "out"))
+    assert result.exit_code == 2 and "bridge cannot convert this model" in result.stderr, result.output
+    for fragment in fragments:
+        assert fragment in result.stderr, result.stderr
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.slow

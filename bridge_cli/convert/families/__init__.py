@@ -16,16 +16,21 @@ from bridge_cli.config.errors import ConfigError
 from bridge_cli.convert.families.llama import Llama
 from bridge_cli.convert.families.llama_like import LlamaLike
 from bridge_cli.convert.families.mistral import Mistral
+from bridge_cli.convert.families.mixtral import Mixtral
+from bridge_cli.convert.families.olmoe import Olmoe
 from bridge_cli.convert.families.phi3 import Phi3
 from bridge_cli.convert.families.qwen2 import Qwen2
 from bridge_cli.convert.families.qwen3 import Qwen3
+from bridge_cli.convert.families.qwen3_moe import Qwen3Moe
 from bridge_cli.convert.hf_config import unsupported
 
 FAMILIES: dict[str, LlamaLike] = {family.model_type: family
-                                  for family in (Llama(), Mistral(), Qwen2(), Qwen3(), Phi3())}
+                                  for family in (Llama(), Mistral(), Qwen2(), Qwen3(), Phi3(),
+                                                 Mixtral(), Qwen3Moe(), Olmoe())}
 """model_type -> its family, in the order export tries them."""
 
-INFERRED = ("llama", "qwen2", "qwen3", "phi3")
+INFERRED = ("llama", "qwen2", "qwen3", "phi3",
+            "mixtral", "qwen3_moe", "olmoe")
 """The families export picks without --model-type."""
 
 
@@ -57,9 +62,11 @@ def for_export(model: Mapping[str, Any], model_type: Optional[str], where: Path)
     for name in INFERRED:
         if not FAMILIES[name].differences(model):
             return FAMILIES[name]
+    closest = min((FAMILIES[name] for name in INFERRED), key=lambda family: len(family.differences(model)))
     raise CheckpointError(
         f"{where}: export-hf writes Llama-style models ({supported()}: RMSNorm, SwiGLU, RoPE, no linear biases "
-        f"except Qwen2's on q/k/v), and this checkpoint's model has {', '.join(FAMILIES['llama'].differences(model))}.")
+        f"except Qwen2's on q/k/v), and this checkpoint's model has {', '.join(closest.differences(model))} "
+        f"(differences from the closest family, {closest.model_type}).")
 
 
 def listing() -> list[str]:

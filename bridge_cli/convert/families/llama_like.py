@@ -17,7 +17,8 @@ from bridge_cli.convert.hf_weights import Architecture, Layout, Pair
 LLAMA_STYLE = {
     "normalization": "RMSNorm", "activation_func": "silu", "gated_linear_unit": True, "add_bias_linear": False,
     "position_embedding_type": "rope", "rotary_percent": 1.0, "rotary_interleaved": False,
-    "seq_len_interpolation_factor": None, "qk_layernorm": False, "num_moe_experts": None,
+    "seq_len_interpolation_factor": None, "qk_layernorm": False, "qk_layernorm_across_heads": False,
+    "num_moe_experts": None,
     "multi_latent_attention": False, "layernorm_zero_centered_gamma": False,
     "apply_residual_connection_post_layernorm": False,
 }
@@ -149,7 +150,7 @@ class LlamaLike:
             out += [Pair(m + "input_layernorm.weight", ((p + "input_layernorm.weight", (h,)),))]
             out += self.attention_pairs(arch, m + "self_attention.", p + "self_attn.")
             out += [Pair(m + "pre_mlp_layernorm.weight", ((p + "post_attention_layernorm.weight", (h,)),))]
-            out += self.mlp_pairs(arch, m + "mlp.", p + "mlp.")
+            out += self.feed_forward_pairs(arch, i, m + "mlp.", p + "mlp.")
         out.append(Pair("decoder.final_layernorm.weight", (("model.norm.weight", (h,)),)))
         if not arch.tied:
             out.append(Pair("output_layer.weight", (("lm_head.weight", (v, h)),), Layout.VOCAB))
@@ -168,6 +169,10 @@ class LlamaLike:
             out += [Pair(m + "q_layernorm.weight", ((p + "q_norm.weight", (arch.kv_channels,)),)),
                     Pair(m + "k_layernorm.weight", ((p + "k_norm.weight", (arch.kv_channels,)),))]
         return out + [Pair(m + "linear_proj.weight", ((p + "o_proj.weight", (h, q_rows)),))]
+
+    def feed_forward_pairs(self, arch: Architecture, layer: int, m: str, p: str) -> list[Pair]:
+        """Layer ``layer``'s feed-forward block (the MLP; an MoE family's experts where it has them)."""
+        return self.mlp_pairs(arch, m, p)
 
     def mlp_pairs(self, arch: Architecture, m: str, p: str) -> list[Pair]:
         """One layer's MLP: megatron-core names under ``m``, Hugging Face's under ``p``."""

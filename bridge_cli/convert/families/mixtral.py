@@ -1,0 +1,36 @@
+"""``mixtral``: Mistral's layout with every MLP a mixture of experts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping
+
+from bridge_cli.convert import hf_config
+from bridge_cli.convert.families.mistral import Mistral
+from bridge_cli.convert.families.moe import MoELike, moe_fixed
+
+
+class Mixtral(MoELike, Mistral):
+    """Mixtral 8x7B and 8x22B: ``block_sparse_moe`` with experts ``w1`` (gate), ``w3`` (up), ``w2``
+    (down) of FFN size ``intermediate_size``; softmax over the experts, top-k, renormalised
+    (megatron-core's softmax after the top-k). A sliding window caps model.seq_length, as for Mistral."""
+
+    model_type = "mixtral"
+    architecture = "MixtralForCausalLM"
+    models = "Mixtral 8x7B, 8x22B; every layer MoE, softmax routing renormalised over the top-k"
+    limits = ("refuses router_jitter_noise and RoPE scalings other than llama3; model.seq_length is capped at "
+              "sliding_window")
+    sparse_block = "block_sparse_moe."
+    expert_projections = ("w1", "w3", "w2")
+    experts_key = "num_local_experts"
+    fixed = moe_fixed(Mistral.fixed, moe_router_pre_softmax=False)
+
+    def expert_ffn_size(self, hf: Mapping[str, Any], where: Path) -> int:
+        return hf_config.getter(hf, where)("intermediate_size")
+
+    def router_fields(self, hf: Mapping[str, Any], where: Path, topk: int) -> dict[str, Any]:
+        return super().router_fields({**hf, "norm_topk_prob": True}, where, topk)
+
+    def hf_extras(self, model: Mapping[str, Any]) -> dict[str, Any]:
+        return {**super().hf_extras(model), **self.moe_config(model), "intermediate_size": model["moe_ffn_hidden_size"],
+                "router_jitter_noise": 0.0}

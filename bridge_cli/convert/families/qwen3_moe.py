@@ -1,0 +1,42 @@
+"""``qwen3_moe``: Qwen3's attention (per-head q/k RMSNorm) with mixture-of-experts MLPs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping
+
+from bridge_cli.convert.families.moe import MoELike, moe_fixed
+from bridge_cli.convert.families.qwen3 import Qwen3
+from bridge_cli.convert.hf_config import unsupported
+from bridge_cli.convert.hf_weights import moe_layer_pattern
+
+
+class Qwen3Moe(MoELike, Qwen3):
+    """Qwen3-MoE (30B-A3B, 235B-A22B). Layer ``i`` is an MoE layer unless it is in ``mlp_only_layers`` or
+    ``i + 1`` is not a multiple of ``decoder_sparse_step``: megatron-core's ``moe_layer_freq`` as a list, the
+    dense layers of FFN size ``intermediate_size``, the experts of ``moe_intermediate_size``.
+    ``norm_topk_prob`` picks the router's softmax after (true) or before (false) the top-k."""
+
+    model_type = "qwen3_moe"
+    architecture = "Qwen3MoeForCausalLM"
+    models = "Qwen3-MoE (30B-A3B, 235B-A22B); Qwen3 attention, dense layers where mlp_only_layers/decoder_sparse_step say"
+    limits = ("refuses attention_bias, sliding-window layers, RoPE scalings other than llama3 (e.g. yarn) and "
+              "norm_topk_prob with top-1 routing")
+    all_layers_moe = False
+    fixed = moe_fixed(Qwen3.fixed)
+
+    def moe_layers(self, hf: Mapping[str, Any], where: Path, num_layers: int) -> list[bool]:
+        step, dense = hf.get("decoder_sparse_step", 1), hf.get("mlp_only_layers") or []
+        if not isinstance(step, int) or step < 1:
+            unsupported(where, f"decoder_sparse_step {step!r}: a positive integer is needed")
+        pattern = [i not in dense and (i + 1) % step == 0 for i in range(num_layers)]
+        if not any(pattern):
+            unsupported(where, "no MoE layer (mlp_only_layers / decoder_sparse_step)", "Convert it as qwen3.")
+        return pattern
+
+    def hf_extras(self, model: Mapping[str, Any]) -> dict[str, Any]:
+        pattern = moe_layer_pattern(model["moe_layer_freq"], model["num_layers"])
+        return {**super().hf_extras(model), **self.moe_config(model),
+                "moe_intermediate_size": model["moe_ffn_hidden_size"],
+                "norm_topk_prob": not model["moe_router_pre_softmax"], "decoder_sparse_step": 1,
+                "mlp_only_layers": [i for i, moe in enumerate(pattern) if not moe]}
