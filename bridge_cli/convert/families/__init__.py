@@ -13,6 +13,7 @@ from typing import Any, Mapping, Optional
 
 from bridge_cli.checkpoint.errors import CheckpointError
 from bridge_cli.config.errors import ConfigError
+from bridge_cli.convert.families.gemma3 import Gemma3
 from bridge_cli.convert.families.llama import Llama
 from bridge_cli.convert.families.llama_like import LlamaLike
 from bridge_cli.convert.families.mistral import Mistral
@@ -22,10 +23,10 @@ from bridge_cli.convert.families.qwen3 import Qwen3
 from bridge_cli.convert.hf_config import unsupported
 
 FAMILIES: dict[str, LlamaLike] = {family.model_type: family
-                                  for family in (Llama(), Mistral(), Qwen2(), Qwen3(), Phi3())}
+                                  for family in (Llama(), Mistral(), Qwen2(), Qwen3(), Phi3(), Gemma3())}
 """model_type -> its family, in the order export tries them."""
 
-INFERRED = ("llama", "qwen2", "qwen3", "phi3")
+INFERRED = ("llama", "qwen2", "qwen3", "phi3", "gemma3_text")
 """The families export picks without --model-type."""
 
 
