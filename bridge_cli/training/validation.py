@@ -19,6 +19,7 @@ from bridge_cli.config.fields import check_section
 from bridge_cli.config.ranges import check_ranges
 from bridge_cli.config.unsupported import check_unsupported
 from bridge_cli.models.attention.config_checks import check_attention
+from bridge_cli.models.layer_option_checks import check_layer_options
 from bridge_cli.models.moe_checks import check_moe
 from bridge_cli.config.data_configs import FinetuningDatasetConfig
 from bridge_cli.runtime.device_rules import check_device
@@ -95,6 +96,7 @@ def validate_and_derive(cfg, world_size: int, device: str) -> Derived:
     _check_gradient_norm_logging(cfg, dp)
     _check_sequence_length(cfg)
     check_attention(cfg)
+    check_layer_options(cfg.model)
     ckpt = cfg.checkpoint
     check_output_folders([("checkpoint.save", ckpt.save), ("logger.tensorboard_dir", cfg.logger.tensorboard_dir),
                           ("logger.wandb_save_dir", cfg.logger.wandb_save_dir),

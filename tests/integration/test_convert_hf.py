@@ -11,6 +11,7 @@ output folder.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -22,6 +23,7 @@ import torch
 import yaml
 
 from tests.conftest import REPO, bridge, torchrun
+from tests.integration.test_pretrain_cpu import losses
 
 transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402  (installed with transformers)
@@ -47,6 +49,13 @@ MODELS = {
     # fused qkv_proj and gate_up_proj, RoPE on half of each head, a window that caps seq_length
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(vocab_size=576, partial_rotary_factor=0.5, sliding_window=64,
                                                    eos_token_id=2, pad_token_id=None, tie_word_embeddings=False), None),
+    # 1 + w norms, post-attention/feedforward norms, scaled embeddings, tanh GELU, a sliding (8 of the 24 tokens)
+    # and a global layer with their own RoPE bases (the global one scaled), query_pre_attn_scalar != head_dim
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        vocab_size=640, head_dim=32, query_pre_attn_scalar=24, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}), None),
 }
 EXPORT_ARGS = {"mistral": ["--model-type", "mistral"]}
 """export-hf picks the family from the model; a Mistral (without its window, a Llama) must be named."""
@@ -173,11 +182,16 @@ def test_import_writes_a_checkpoint_and_recipe_in_the_project_layout(imported):
         assert model["vocab_size"] % model["make_vocab_size_divisible_by"] == 0  # no padding rows at TP=1
         assert recipe["checkpoint"]["pretrained_checkpoint"] == str(folder.resolve())
         assert model["add_qkv_bias"] == (name == "qwen2")
-        assert model["share_embeddings_and_output_weights"] == (name == "qwen2")
+        assert model["share_embeddings_and_output_weights"] == (name in ("qwen2", "gemma3_text"))
         assert model["rope_scaling"] == (name == "llama")
-        assert model["qk_layernorm"] == (name == "qwen3")
+        assert model["qk_layernorm"] == (name in ("qwen3", "gemma3_text"))
         assert model["rotary_percent"] == (0.5 if name == "phi3" else 1.0)
         assert model["seq_length"] == (64 if name == "phi3" else 128)  # capped at phi3's sliding window
+    gemma = yaml.safe_load((imported["gemma3_text"] / "recipe.yaml").read_text())["model"]
+    assert (gemma["window_size"], gemma["window_attn_skip_freq"]) == ([7, 0], [1, 0])
+    assert (gemma["rotary_base"], gemma["local_rotary_base"], gemma["seq_len_interpolation_factor"]) == (
+        1000000, 10000, 8.0)
+    assert gemma["softmax_scale"] == 24 ** -0.5 and gemma["activation_func"] == "fast_gelu"
 
 
 @pytest.mark.slow
@@ -194,7 +208,7 @@ def test_round_trip_gives_identical_tensors(name, work, hf_dirs, imported, token
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["qwen2", "phi3"])
+@pytest.mark.parametrize("name", ["qwen2", "phi3", "gemma3_text"])
 def test_export_reads_a_checkpoint_saved_with_tensor_parallelism(name, work, hf_dirs, mcore_logits):
     """Saved at TP=2, every tensor is split in two chunks; export reads each layer's region across them."""
     out = work / f"from_tp2_{name}"
@@ -214,6 +228,16 @@ def test_export_after_training_carries_the_trained_weights(work, hf_dirs, traine
     for tp in (1, 2):
         assert (logits - mcore_logits[("trained", tp)]).abs().max().item() < ATOL
     assert (logits - torch.load(reference(hf_dirs["llama"]))).abs().max().item() > 1e-3  # it trained
+
+
+@pytest.mark.slow
+def test_an_imported_gemma3_trains(imported):
+    """Its sliding-window and global layers, post-sublayer norms and scaled embeddings train on mock data."""
+    result = ok(bridge("pretrain", f"recipe={imported['gemma3_text'] / 'recipe.yaml'}", "train.train_iters=12",
+                       "train.eval_iters=0", "logger.log_interval=2"))
+    curve = losses(result.stdout)
+    assert len(curve) == 6 and all(math.isfinite(loss) for loss in curve), curve
+    assert curve[-1] < 0.6 * curve[0], curve
 
 
 @pytest.fixture
