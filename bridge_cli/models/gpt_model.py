@@ -21,7 +21,8 @@ from bridge_cli.models.attention.masks import DocumentParams
 
 
 class GPTModel(MCoreGPTModel):
-    """``GPTModel`` whose RoPE follows ``DocumentParams.rope_positions`` when a batch carries them."""
+    """``GPTModel`` whose RoPE follows ``DocumentParams.rope_positions`` when a batch carries them, with
+    ``model.local_rotary_base`` and ``model.scale_embeddings`` when its config sets them."""
 
     def __init__(self, config, *args, **kwargs):
         super().__init__(config, *args, **kwargs)

@@ -1,6 +1,6 @@
 """Gemma-style model options (zero-centred RMSNorm, post-sublayer norms, a RoPE base of the sliding-window
-layers, scaled embeddings) and the gemma3_text family's reading of config.json. The whole model against
-transformers' Gemma 3 is tests/integration/test_convert_hf.py."""
+layers, scaled embeddings), the gemma3_text family's reading of config.json, and gpt_oss's refusal. The
+whole model against transformers' Gemma 3 is tests/integration/test_convert_hf.py."""
 
 from __future__ import annotations
 
