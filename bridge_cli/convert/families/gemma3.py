@@ -52,11 +52,11 @@ class Gemma3(LlamaLike):
     # config.json -> model fields
 
     def model_fields(self, hf: Mapping[str, Any], where: Path, seq_length: Optional[int] = None) -> dict[str, Any]:
-        layers = self._layer_types(hf, where)
         fields = {**super().model_fields(hf, where, seq_length),
                   "qk_layernorm": True, "layernorm_zero_centered_gamma": True, "post_sublayer_norm": True,
                   "scale_embeddings": True, "softmax_scale": float(hf.get("query_pre_attn_scalar", 256)) ** -0.5,
                   "share_embeddings_and_output_weights": bool(hf.get("tie_word_embeddings", True))}
+        layers = _layer_types(hf, fields["num_layers"], where)
         if "sliding_attention" in layers:
             window = hf.get("sliding_window")
             if not isinstance(window, int) or window < 1:
@@ -98,18 +98,6 @@ class Gemma3(LlamaLike):
         if hf.get("attention_bias"):
             unsupported(where, "attention_bias: a bias on o_proj needs biases on every linear layer in megatron-core")
 
-    def _layer_types(self, hf: Mapping[str, Any], where: Path) -> list[str]:
-        layers = hf.get("layer_types")
-        count = hf.get("num_hidden_layers")
-        if layers is None:
-            pattern = hf.get("sliding_window_pattern", 6)
-            layers = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(count or 0)]
-        unknown = sorted({kind for kind in layers if kind not in LAYER_TYPES})
-        if unknown or len(layers) != count:
-            unsupported(where, f"layer_types {layers!r}: one of {', '.join(LAYER_TYPES)} per layer "
-                               f"(num_hidden_layers {count}) is needed")
-        return layers
-
     # model fields -> config.json
 
     def hf_config(self, model: Mapping[str, Any]) -> dict[str, Any]:
@@ -145,6 +133,18 @@ class Gemma3(LlamaLike):
                 Pair(m + "pre_mlp_layernorm.weight", ((p + "pre_feedforward_layernorm.weight", (h,)),)),
                 *self.mlp_pairs(arch, m + "mlp.", p + "mlp."),
                 Pair(m + "mlp_bda.norm.weight", ((p + "post_feedforward_layernorm.weight", (h,)),))]
+
+
+def _layer_types(hf: Mapping[str, Any], count: int, where: Path) -> list[str]:
+    """Each layer's kind: config.json's ``layer_types``, else all but every ``sliding_window_pattern``-th windowed."""
+    layers = hf.get("layer_types")
+    if layers is None:
+        pattern = hf.get("sliding_window_pattern", 6)
+        layers = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(count)]
+    if not isinstance(layers, list) or len(layers) != count or any(kind not in LAYER_TYPES for kind in layers):
+        unsupported(where, f"layer_types {layers!r}: one of {', '.join(LAYER_TYPES)} per layer "
+                           f"(num_hidden_layers {count}) is needed")
+    return layers
 
 
 def _rope_parameters(hf: Mapping[str, Any]) -> tuple[dict, dict]:
