@@ -1,22 +1,42 @@
-"""megatron-core's GPTModel, with RoPE at each token's own position in rows of packed documents.
+"""megatron-core's GPTModel, with RoPE at each token's own position in rows of packed documents, and
+two model options megatron-core lacks.
 
 megatron-core (0.16 to 0.19) rotates a ``[s, b]`` batch by positions 0..s-1 whatever the
 ``position_ids`` (only THD batches restart per sequence, through a per-layer host sync). When the
 training step passes :class:`~bridge_cli.models.attention.masks.DocumentParams` with RoPE
 positions, this gathers the rotary table at them once per forward, so every document is rotated
 as if it ran alone; the layers apply the ``[s, b, 1, d]`` table as they apply the shared one.
-Everything else, state-dict keys included, is megatron-core's.
+
+``model.scale_embeddings`` multiplies the input embeddings by sqrt(hidden_size) (Gemma), and
+``model.local_rotary_base`` gives the sliding-window layers a rotary table of their own
+(:mod:`~bridge_cli.models.local_rope`). Everything else, state-dict keys included, is megatron-core's.
 """
 
 from __future__ import annotations
 
+import torch
 from megatron.core.models.gpt import GPTModel as MCoreGPTModel
 
 from bridge_cli.models.attention.masks import DocumentParams
 
 
 class GPTModel(MCoreGPTModel):
-    """``GPTModel`` whose RoPE follows ``DocumentParams.rope_positions`` when a batch carries them."""
+    """``GPTModel`` whose RoPE follows ``DocumentParams.rope_positions`` when a batch carries them, with
+    ``model.local_rotary_base`` and ``model.scale_embeddings`` when its config sets them."""
+
+    def __init__(self, config, *args, **kwargs):
+        super().__init__(config, *args, **kwargs)
+        if getattr(config, "local_rotary_base", None) is not None and self.position_embedding_type == "rope":
+            from bridge_cli.models.local_rope import LocalGlobalRotaryEmbedding
+
+            self.rotary_pos_emb = LocalGlobalRotaryEmbedding(
+                local_rotary_base=config.local_rotary_base, kv_channels=config.kv_channels,
+                rotary_percent=config.rotary_percent, rotary_interleaved=config.rotary_interleaved,
+                seq_len_interpolation_factor=config.seq_len_interpolation_factor, rotary_base=config.rotary_base,
+                rope_scaling=config.rope_scaling, rope_scaling_factor=config.rope_scaling_factor,
+                use_cpu_initialization=config.use_cpu_initialization, cp_group=self.pg_collection.cp)
+        if getattr(config, "scale_embeddings", False) and hasattr(self, "embedding"):
+            self.embedding.register_forward_hook(_scale_by_sqrt_hidden)
 
     def _preprocess(self, *args, **kwargs):
         output = super()._preprocess(*args, **kwargs)
@@ -29,3 +49,10 @@ class GPTModel(MCoreGPTModel):
             rotary = rotary[:, 0][params.rope_positions.t()]
             output = (output[0], rotary, *output[2:])
         return output
+
+
+def _scale_by_sqrt_hidden(embedding, inputs, output: torch.Tensor) -> torch.Tensor:
+    """``model.scale_embeddings``, as a forward hook of the embedding. The factor is rounded to the
+    embeddings' dtype, as Gemma rounds it (sqrt(3072) is 55.5 in bfloat16), on the host: a Python
+    number, not a device tensor, so that no micro-batch waits for a copy."""
+    return output * torch.tensor(embedding.config.hidden_size ** 0.5, dtype=output.dtype).item()

@@ -55,6 +55,15 @@ class GPTModelProvider(MLATransformerConfig):
     rope_scaling_factor: float = 8.0
     """Llama 3.1 RoPE scaling factor (Llama 3.1: 8, Llama 3.2: 32); used with rope_scaling."""
 
+    local_rotary_base: Optional[int] = None
+    """RoPE base of the sliding-window layers (Gemma 3: 10000), which take no RoPE scaling; None: rotary_base in every layer."""
+
+    post_sublayer_norm: bool = False
+    """Normalise the attention and MLP outputs before they join the residual (Gemma 2/3's post-attention and post-feedforward norms)."""
+
+    scale_embeddings: bool = False
+    """Multiply the input embeddings by sqrt(hidden_size), rounded to their dtype (Gemma)."""
+
     share_embeddings_and_output_weights: bool = True
     """Tie the input embedding and the output projection (GPT-2, Llama-3.2-1B) or not (Llama-3-8B)."""
 

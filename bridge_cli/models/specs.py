@@ -19,7 +19,10 @@
 (:mod:`bridge_cli.models.fp8_linear`).
 
 ``local`` and ``torch`` normalise with ``torch.nn`` norms (megatron-core's ``WrappedTorchNorm``
-for RMSNorm), which do not support sequence parallelism.
+for RMSNorm), which do not support sequence parallelism. On those two specs, the model options of
+Gemma-style layers swap modules in (:mod:`bridge_cli.models.norms`, :mod:`bridge_cli.models.local_rope`):
+``layernorm_zero_centered_gamma`` (RMSNorm with ``1 + w``), ``post_sublayer_norm`` (a norm on the
+attention and MLP outputs) and ``local_rotary_base`` (the sliding-window layers' own RoPE base).
 """
 
 from __future__ import annotations
@@ -104,7 +107,7 @@ def layer_spec(name: str, config: TransformerConfig, vp_stage: Optional[int] = N
             _use_grouped_gemm_experts(layer)
         if config.fp8:
             _use_fp8_linears(layer, config)
-    return spec
+    return _use_layer_options(spec, layers, config, vp_stage)
 
 
 def _use_fp8_linears(layer: ModuleSpec, config: TransformerConfig) -> None:
@@ -151,14 +154,45 @@ def _use_sequence_parallel_norms(block: TransformerBlockSubmodules, layers: list
 
     from bridge_cli.models.sequence_parallel_norm import SequenceParallelTorchNorm
 
-    if block.layer_norm is WrappedTorchNorm:
-        block.layer_norm = SequenceParallelTorchNorm
+    _replace_norms(block, layers, (WrappedTorchNorm,), SequenceParallelTorchNorm)
+
+
+def _replace_norms(block: TransformerBlockSubmodules, layers: list, old: tuple, new: type) -> None:
+    """Swap the norm classes ``old`` for ``new`` in a block spec: its final norm and its layers' norms."""
+    if block.layer_norm in old:
+        block.layer_norm = new
     for layer in layers:
         owners = [layer.submodules, getattr(layer.submodules.self_attention, "submodules", None)]
         for owner in filter(None, owners):
             for field in ("input_layernorm", "pre_mlp_layernorm", "q_layernorm", "k_layernorm", "kv_layernorm"):
-                if getattr(owner, field, None) is WrappedTorchNorm:
-                    setattr(owner, field, SequenceParallelTorchNorm)
+                if getattr(owner, field, None) in old:
+                    setattr(owner, field, new)
+
+
+def _use_layer_options(spec, layers: list, config: TransformerConfig, vp_stage: Optional[int]):
+    """The ``local``/``torch`` spec with the Gemma-style model options (see the module's doc); returns the
+    spec, a block spec when zero-centred norms need the final norm swapped too."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    from bridge_cli.models.local_rope import LocalRopeSelfAttention
+    from bridge_cli.models.norms import PostNormBiasDropoutAdd, ZeroCenteredRMSNorm
+    from bridge_cli.models.sequence_parallel_norm import SequenceParallelTorchNorm
+
+    for layer in layers:
+        # a plain TransformerConfig (megatron-core's own callers) has neither option
+        if getattr(config, "local_rotary_base", None) is not None:
+            layer.submodules.self_attention.module = LocalRopeSelfAttention
+        if getattr(config, "post_sublayer_norm", False):
+            post_norm = ModuleSpec(module=PostNormBiasDropoutAdd, params={"config": config})
+            layer.submodules.self_attn_bda = layer.submodules.mlp_bda = post_norm
+    if config.layernorm_zero_centered_gamma:
+        if isinstance(spec, ModuleSpec):  # one dense layer spec: megatron-core would add a WrappedTorchNorm
+            spec = TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config, vp_stage),
+                                              layer_norm=WrappedTorchNorm)
+        _replace_norms(spec, layers, (WrappedTorchNorm, SequenceParallelTorchNorm), ZeroCenteredRMSNorm)
+    return spec
 
 
 def _check_dispatcher_on_this_device(config: TransformerConfig) -> None:

@@ -20,6 +20,7 @@ from bridge_cli.config.ranges import check_ranges
 from bridge_cli.config.unsupported import check_unsupported
 from bridge_cli.models.attention.config_checks import check_attention
 from bridge_cli.models.fp8_checks import check_low_precision
+from bridge_cli.models.layer_option_checks import check_layer_options
 from bridge_cli.models.moe_checks import check_moe
 from bridge_cli.models.specs import default_spec_name
 from bridge_cli.config.data_configs import FinetuningDatasetConfig
@@ -98,6 +99,7 @@ def validate_and_derive(cfg, world_size: int, device: str) -> Derived:
     _check_sequence_length(cfg)
     check_attention(cfg)
     check_low_precision(cfg, cfg.model.spec or default_spec_name(), device)
+    check_layer_options(cfg.model)
     ckpt = cfg.checkpoint
     check_output_folders([("checkpoint.save", ckpt.save), ("logger.tensorboard_dir", cfg.logger.tensorboard_dir),
                           ("logger.wandb_save_dir", cfg.logger.wandb_save_dir),

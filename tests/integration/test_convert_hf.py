@@ -11,6 +11,7 @@ output folder.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -59,6 +60,13 @@ MODELS = {
     # q/k norms over the whole projection, top-2 renormalised
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(vocab_size=512, num_experts=4, num_experts_per_tok=2,
                                                       norm_topk_prob=True, tie_word_embeddings=False), None),
+    # 1 + w norms, post-attention/feedforward norms, scaled embeddings, tanh GELU, a sliding (8 of the 24 tokens)
+    # and a global layer with their own RoPE bases (the global one scaled), query_pre_attn_scalar != head_dim
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        vocab_size=640, head_dim=32, query_pre_attn_scalar=24, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}), None),
 }
 MOE = ("mixtral", "qwen3_moe", "olmoe")
 """The mixture-of-experts families, loaded at EP=2 too."""
@@ -188,12 +196,17 @@ def test_import_writes_a_checkpoint_and_recipe_in_the_project_layout(imported):
         assert model["vocab_size"] % model["make_vocab_size_divisible_by"] == 0  # no padding rows at TP=1
         assert recipe["checkpoint"]["pretrained_checkpoint"] == str(folder.resolve())
         assert model["add_qkv_bias"] == (name == "qwen2")
-        assert model["share_embeddings_and_output_weights"] == (name == "qwen2")
+        assert model["share_embeddings_and_output_weights"] == (name in ("qwen2", "gemma3_text"))
         assert model["rope_scaling"] == (name == "llama")
-        assert model["qk_layernorm"] == (name in ("qwen3", "qwen3_moe", "olmoe"))
+        assert model["qk_layernorm"] == (name in ("qwen3", "qwen3_moe", "olmoe", "gemma3_text"))
         assert model.get("num_moe_experts") == (4 if name in MOE else None)
         assert model["rotary_percent"] == (0.5 if name == "phi3" else 1.0)
         assert model["seq_length"] == (64 if name == "phi3" else 128)  # capped at phi3's sliding window
+    gemma = yaml.safe_load((imported["gemma3_text"] / "recipe.yaml").read_text())["model"]
+    assert (gemma["window_size"], gemma["window_attn_skip_freq"]) == ([7, 0], [1, 0])
+    assert (gemma["rotary_base"], gemma["local_rotary_base"], gemma["seq_len_interpolation_factor"]) == (
+        1000000, 10000, 8.0)
+    assert gemma["softmax_scale"] == 24 ** -0.5 and gemma["activation_func"] == "fast_gelu"
 
 
 @pytest.mark.slow
@@ -210,7 +223,7 @@ def test_round_trip_gives_identical_tensors(name, work, hf_dirs, imported, token
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name, layout", [("qwen2", "tp2"), ("phi3", "tp2"), ("olmoe", "tp2"),
+@pytest.mark.parametrize("name, layout", [("qwen2", "tp2"), ("phi3", "tp2"), ("olmoe", "tp2"), ("gemma3_text", "tp2"),
                                           *((name, "ep2") for name in MOE)])
 def test_export_reads_a_checkpoint_saved_with_tensor_or_expert_parallelism(name, layout, work, hf_dirs, mcore_logits):
     """Saved at TP=2, every tensor is split in two chunks; at EP=2, each rank wrote half of the experts.
@@ -245,6 +258,15 @@ def test_imported_olmoe_trains_the_same_at_tensor_parallel_two(imported):
               for run in (one, two)]
     assert len(curves[0][0]) == 3 and curves[1][0] == pytest.approx(curves[0][0], rel=1e-4), curves
     assert curves[1][1] == pytest.approx(curves[0][1], abs=2e-3), curves
+
+
+def test_an_imported_gemma3_trains(imported):
+    """Its sliding-window and global layers, post-sublayer norms and scaled embeddings train on mock data."""
+    result = ok(bridge("pretrain", f"recipe={imported['gemma3_text'] / 'recipe.yaml'}", "train.train_iters=12",
+                       "train.eval_iters=0", "logger.log_interval=2"))
+    curve = losses(result.stdout)
+    assert len(curve) == 6 and all(math.isfinite(loss) for loss in curve), curve
+    assert curve[-1] < 0.6 * curve[0], curve
 
 
 @pytest.fixture

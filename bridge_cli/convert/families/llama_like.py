@@ -20,7 +20,8 @@ LLAMA_STYLE = {
     "seq_len_interpolation_factor": None, "qk_layernorm": False, "qk_layernorm_across_heads": False,
     "num_moe_experts": None,
     "multi_latent_attention": False, "layernorm_zero_centered_gamma": False,
-    "apply_residual_connection_post_layernorm": False,
+    "apply_residual_connection_post_layernorm": False, "post_sublayer_norm": False, "scale_embeddings": False,
+    "local_rotary_base": None, "softmax_scale": None, "softmax_type": "vanilla", "window_size": None,
 }
 """The model fields every family here fixes (the shapes aside), unless it overrides one."""
 
@@ -55,10 +56,8 @@ class LlamaLike:
         groups = hf.get("num_key_value_heads") or heads
         if heads % groups:
             unsupported(where, f"num_attention_heads ({heads}) is not a multiple of num_key_value_heads ({groups})")
-        if hf.get("hidden_act", "silu") != "silu":
-            unsupported(where, f"hidden_act {hf['hidden_act']!r}: the {self.model_type} family uses silu")
+        activation = self.activation(hf, where)
         self.check(hf, where)
-        theta, scaling = hf_config.rope(hf, where, self.rope_hint)
         return {
             "num_layers": get("num_hidden_layers"),
             "hidden_size": get("hidden_size"),
@@ -74,20 +73,30 @@ class LlamaLike:
             "share_embeddings_and_output_weights": bool(hf.get("tie_word_embeddings", False)),
             "normalization": "RMSNorm",
             "layernorm_epsilon": float(hf.get("rms_norm_eps", 1e-6)),
-            "activation_func": "silu",
+            "activation_func": activation,
             "gated_linear_unit": True,
             "add_bias_linear": False,
             "add_qkv_bias": self.fixed["add_qkv_bias"],
             "qk_layernorm": self.fixed["qk_layernorm"],
             "position_embedding_type": "rope",
             "rotary_percent": self.rotary_percent(hf, where),
-            "rotary_base": theta,
-            "rope_scaling": scaling is not None,
-            "rope_scaling_factor": scaling if scaling is not None else 8.0,
+            **self.rope_fields(hf, where),
             "hidden_dropout": 0.0,
             "attention_dropout": float(hf.get("attention_dropout", 0.0)),
             "init_method_std": float(hf.get("initializer_range", 0.02)),
         }
+
+    def activation(self, hf: Mapping[str, Any], where: Path) -> str:
+        """model.activation_func for config.json's activation."""
+        if hf.get("hidden_act", "silu") != "silu":
+            unsupported(where, f"hidden_act {hf['hidden_act']!r}: the {self.model_type} family uses silu")
+        return "silu"
+
+    def rope_fields(self, hf: Mapping[str, Any], where: Path) -> dict[str, Any]:
+        """The model's RoPE base and scaling fields for config.json's RoPE settings."""
+        theta, scaling = hf_config.rope(hf, where, self.rope_hint)
+        return {"rotary_base": theta, "rope_scaling": scaling is not None,
+                "rope_scaling_factor": scaling if scaling is not None else 8.0}
 
     def check(self, hf: Mapping[str, Any], where: Path) -> None:
         """Refuse config.json settings this family's megatron-core model cannot express."""
@@ -146,15 +155,19 @@ class LlamaLike:
         h, v = arch.hidden_size, arch.vocab_size
         out = [Pair("embedding.word_embeddings.weight", (("model.embed_tokens.weight", (v, h)),), Layout.VOCAB)]
         for i in range(arch.num_layers):
-            m, p = f"decoder.layers.{i}.", f"model.layers.{i}."
-            out += [Pair(m + "input_layernorm.weight", ((p + "input_layernorm.weight", (h,)),))]
-            out += self.attention_pairs(arch, m + "self_attention.", p + "self_attn.")
-            out += [Pair(m + "pre_mlp_layernorm.weight", ((p + "post_attention_layernorm.weight", (h,)),))]
-            out += self.feed_forward_pairs(arch, i, m + "mlp.", p + "mlp.")
+            out += self.layer_pairs(arch, i, f"decoder.layers.{i}.", f"model.layers.{i}.")
         out.append(Pair("decoder.final_layernorm.weight", (("model.norm.weight", (h,)),)))
         if not arch.tied:
             out.append(Pair("output_layer.weight", (("lm_head.weight", (v, h)),), Layout.VOCAB))
         return out
+
+    def layer_pairs(self, arch: Architecture, layer: int, m: str, p: str) -> list[Pair]:
+        """Decoder layer ``layer``: megatron-core names under ``m``, Hugging Face's under ``p``."""
+        h = arch.hidden_size
+        return [Pair(m + "input_layernorm.weight", ((p + "input_layernorm.weight", (h,)),)),
+                *self.attention_pairs(arch, m + "self_attention.", p + "self_attn."),
+                Pair(m + "pre_mlp_layernorm.weight", ((p + "post_attention_layernorm.weight", (h,)),)),
+                *self.feed_forward_pairs(arch, layer, m + "mlp.", p + "mlp.")]
 
     def attention_pairs(self, arch: Architecture, m: str, p: str) -> list[Pair]:
         """One layer's attention: megatron-core names under ``m``, Hugging Face's under ``p``."""

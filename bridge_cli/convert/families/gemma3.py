@@ -1,0 +1,174 @@
+"""``gemma3_text``: Gemma 3's text models (Gemma3ForCausalLM), on Llama's layout with five changes.
+
+- RMSNorm with ``1 + w`` (``layernorm_zero_centered_gamma``; the weights are stored as they are)
+  everywhere, the per-head q/k norms (``qk_layernorm``) included.
+- A norm on the attention and MLP outputs before each joins the residual (``post_sublayer_norm``):
+  ``post_attention_layernorm`` and ``post_feedforward_layernorm``; the norm before the MLP is
+  ``pre_feedforward_layernorm``.
+- Input embeddings times sqrt(hidden_size) (``scale_embeddings``); tanh-approximated GELU in the
+  gated MLP (megatron-core's ``fast_gelu``); attention scaled by ``query_pre_attn_scalar ** -0.5``
+  (``softmax_scale``).
+- Sliding-window layers (``layer_types``, or every layer but each ``sliding_window_pattern``-th),
+  which see their ``sliding_window`` keys: ``window_size = [sliding_window - 1, 0]`` and
+  ``window_attn_skip_freq`` one 0/1 per layer.
+- RoPE with its own base in those layers (``rope_local_base_freq``, unscaled: ``local_rotary_base``);
+  the global layers' linear scaling (the 4B-27B models' factor 8) is megatron-core's
+  ``seq_len_interpolation_factor``.
+
+config.json is read in transformers 4.x's keys (``rope_theta``, ``rope_local_base_freq``,
+``rope_scaling``, ``sliding_window_pattern``) and 5.x's (``rope_parameters`` per layer type), and
+written in 4.x's, which both load.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+from bridge_cli.convert.families.llama_like import LLAMA_STYLE, LlamaLike
+from bridge_cli.convert.hf_config import unsupported
+from bridge_cli.convert.hf_weights import Architecture, Pair
+
+ACTIVATION = "gelu_pytorch_tanh"
+"""The GELU Gemma 3 uses: its tanh approximation, which megatron-core's fast_gelu computes."""
+
+LAYER_TYPES = ("sliding_attention", "full_attention")
+
+
+class Gemma3(LlamaLike):
+    """Gemma 3 text models (1B, and the language model of 4B-27B as Gemma3ForCausalLM saves it)."""
+
+    model_type = "gemma3_text"
+    architecture = "Gemma3ForCausalLM"
+    models = ("Gemma 3 text (Gemma3ForCausalLM); sliding-window and global layers with their own RoPE bases, "
+              "1 + w RMSNorms, post-attention/feedforward norms, scaled embeddings")
+    limits = ("refuses logit soft-capping, bidirectional attention, attention_bias and RoPE scalings but "
+              "linear (global layers)")
+    fixed = {**{key: value for key, value in LLAMA_STYLE.items()
+                if key not in ("seq_len_interpolation_factor", "local_rotary_base", "softmax_scale", "window_size")},
+             "activation_func": "fast_gelu", "qk_layernorm": True, "layernorm_zero_centered_gamma": True,
+             "post_sublayer_norm": True, "scale_embeddings": True, "add_qkv_bias": False, "rope_scaling": False}
+
+    # config.json -> model fields
+
+    def model_fields(self, hf: Mapping[str, Any], where: Path, seq_length: Optional[int] = None) -> dict[str, Any]:
+        fields = {**super().model_fields(hf, where, seq_length),
+                  "qk_layernorm": True, "layernorm_zero_centered_gamma": True, "post_sublayer_norm": True,
+                  "scale_embeddings": True, "softmax_scale": float(hf.get("query_pre_attn_scalar", 256)) ** -0.5,
+                  "share_embeddings_and_output_weights": bool(hf.get("tie_word_embeddings", True))}
+        layers = _layer_types(hf, fields["num_layers"], where)
+        if "sliding_attention" in layers:
+            window = hf.get("sliding_window")
+            if not isinstance(window, int) or window < 1:
+                unsupported(where, f"sliding_window {window!r} with sliding-window layers: a positive integer is needed")
+            fields["window_size"] = [window - 1, 0]
+            fields["window_attn_skip_freq"] = [int(kind == "sliding_attention") for kind in layers]
+        return fields
+
+    def activation(self, hf: Mapping[str, Any], where: Path) -> str:
+        act = hf.get("hidden_activation") or hf.get("hidden_act") or ACTIVATION
+        if act != ACTIVATION:
+            unsupported(where, f"hidden_activation {act!r}: Gemma 3 uses {ACTIVATION}")
+        return "fast_gelu"
+
+    def rope_fields(self, hf: Mapping[str, Any], where: Path) -> dict[str, Any]:
+        full, sliding = _rope_parameters(hf)
+        kind = full.get("rope_type", full.get("type", "default"))
+        if kind not in ("default", "linear"):
+            unsupported(where, f"RoPE scaling {kind!r} in the global layers",
+                        "Supported: none (default) and linear, megatron-core's seq_len_interpolation_factor.")
+        factor = full.get("factor") if kind == "linear" else None
+        if kind == "linear" and (not isinstance(factor, (int, float)) or factor <= 0):
+            unsupported(where, f"linear RoPE scaling with factor {factor!r}: a positive number is needed")
+        if sliding.get("rope_type", sliding.get("type", "default")) != "default":
+            unsupported(where, f"RoPE scaling {sliding.get('rope_type', sliding.get('type'))!r} in the sliding-window "
+                               "layers: megatron-core's rotary embedding of those layers is unscaled")
+        return {"rotary_base": _integer_theta(full["rope_theta"], "rope_theta", where),
+                "local_rotary_base": _integer_theta(sliding["rope_theta"], "rope_local_base_freq", where),
+                "seq_len_interpolation_factor": None if factor is None else float(factor),
+                "rope_scaling": False, "rope_scaling_factor": 8.0}
+
+    def check(self, hf: Mapping[str, Any], where: Path) -> None:
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if hf.get(key) is not None:
+                unsupported(where, f"{key} {hf[key]!r}: megatron-core's attention and output layer do not soft-cap "
+                                   "logits")
+        if hf.get("use_bidirectional_attention"):
+            unsupported(where, "use_bidirectional_attention: bridge trains causal language models")
+        if hf.get("attention_bias"):
+            unsupported(where, "attention_bias: a bias on o_proj needs biases on every linear layer in megatron-core")
+
+    # model fields -> config.json
+
+    def hf_config(self, model: Mapping[str, Any]) -> dict[str, Any]:
+        config = super().hf_config(model)
+        del config["hidden_act"]  # Gemma 3 reads hidden_activation
+        return config
+
+    def hf_extras(self, model: Mapping[str, Any]) -> dict[str, Any]:
+        windowed = [_windowed(model, n) for n in range(1, model["num_layers"] + 1)]
+        scale = model["softmax_scale"]
+        scalar = model["kv_channels"] if scale is None else scale ** -2
+        factor = model["seq_len_interpolation_factor"]
+        local_base = model["local_rotary_base"]
+        return {
+            "hidden_activation": ACTIVATION,
+            "query_pre_attn_scalar": round(scalar) if abs(scalar - round(scalar)) < 1e-6 * scalar else scalar,
+            "sliding_window": model["window_size"][0] + 1 if any(windowed) else None,
+            "layer_types": [LAYER_TYPES[0] if w else LAYER_TYPES[1] for w in windowed],
+            "rope_local_base_freq": float(model["rotary_base"] if local_base is None else local_base),
+            "rope_scaling": None if factor is None else {"rope_type": "linear", "factor": float(factor)},
+            "attention_bias": False,
+            "attn_logit_softcapping": None,
+            "final_logit_softcapping": None,
+        }
+
+    # tensors
+
+    def layer_pairs(self, arch: Architecture, layer: int, m: str, p: str) -> list[Pair]:
+        h = arch.hidden_size
+        return [Pair(m + "input_layernorm.weight", ((p + "input_layernorm.weight", (h,)),)),
+                *self.attention_pairs(arch, m + "self_attention.", p + "self_attn."),
+                Pair(m + "self_attn_bda.norm.weight", ((p + "post_attention_layernorm.weight", (h,)),)),
+                Pair(m + "pre_mlp_layernorm.weight", ((p + "pre_feedforward_layernorm.weight", (h,)),)),
+                *self.mlp_pairs(arch, m + "mlp.", p + "mlp."),
+                Pair(m + "mlp_bda.norm.weight", ((p + "post_feedforward_layernorm.weight", (h,)),))]
+
+
+def _layer_types(hf: Mapping[str, Any], count: int, where: Path) -> list[str]:
+    """Each layer's kind: config.json's ``layer_types``, else all but every ``sliding_window_pattern``-th windowed."""
+    layers = hf.get("layer_types")
+    if layers is None:
+        pattern = hf.get("sliding_window_pattern", 6)
+        layers = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(count)]
+    if not isinstance(layers, list) or len(layers) != count or any(kind not in LAYER_TYPES for kind in layers):
+        unsupported(where, f"layer_types {layers!r}: one of {', '.join(LAYER_TYPES)} per layer "
+                           f"(num_hidden_layers {count}) is needed")
+    return layers
+
+
+def _rope_parameters(hf: Mapping[str, Any]) -> tuple[dict, dict]:
+    """(global, sliding-window) RoPE settings, each with its ``rope_theta``: transformers 5.x's
+    ``rope_parameters`` per layer type, else 4.x's ``rope_theta``/``rope_scaling`` and ``rope_local_base_freq``."""
+    parameters = hf.get("rope_parameters") or {}
+    if "full_attention" in parameters or "sliding_attention" in parameters:
+        full = {"rope_theta": 1_000_000.0, **(parameters.get("full_attention") or {})}
+        sliding = {"rope_theta": 10_000.0, **(parameters.get("sliding_attention") or {})}
+        return full, sliding
+    full = {**(hf.get("rope_scaling") or {}), "rope_theta": hf.get("rope_theta", 1_000_000.0)}
+    return full, {"rope_theta": hf.get("rope_local_base_freq", 10_000.0)}
+
+
+def _integer_theta(theta: Any, key: str, where: Path) -> int:
+    if not isinstance(theta, (int, float)) or theta != int(theta):
+        unsupported(where, f"{key} {theta!r}: megatron-core's RoPE base is an integer")
+    return int(theta)
+
+
+def _windowed(model: Mapping[str, Any], layer_number: int) -> bool:
+    """Whether layer ``layer_number`` (1-based) of the model (its YAML values) has the sliding window."""
+    from megatron.core.transformer.utils import is_layer_window_attention
+
+    window = model["window_size"]
+    return window is not None and window[0] >= 0 and is_layer_window_attention(
+        window, model["window_attn_skip_freq"], layer_number)

@@ -1,0 +1,27 @@
+"""Config rules of the Gemma-style model options that the ``local``/``torch`` specs add (models/specs.py):
+``layernorm_zero_centered_gamma``, ``post_sublayer_norm`` and ``local_rotary_base``; checked before any
+model is built."""
+
+from __future__ import annotations
+
+from bridge_cli.config.errors import ConfigError
+
+
+def check_layer_options(model) -> None:
+    """Raise ConfigError for an option the model's layer spec or its other settings cannot honour."""
+    from bridge_cli.models.specs import default_spec_name
+
+    spec = model.spec or default_spec_name()
+    for key in ("post_sublayer_norm", "local_rotary_base"):
+        if getattr(model, key) not in (None, False) and spec == "te":
+            raise ConfigError(f"model.{key}", "is built into the local and torch layer specs only, and model.spec=te.",
+                              "Set model.spec=torch.")
+    if model.layernorm_zero_centered_gamma and spec != "te" and model.normalization != "RMSNorm":
+        raise ConfigError("model.layernorm_zero_centered_gamma", f"the {spec} layer spec has a zero-centred RMSNorm "
+                          f"only, and model.normalization={model.normalization}.",
+                          "Set model.normalization=RMSNorm, or model.spec=te.")
+    if model.local_rotary_base is not None and (model.position_embedding_type != "rope"
+                                                or model.multi_latent_attention):
+        raise ConfigError("model.local_rotary_base", "sets the RoPE base of the sliding-window layers, which needs "
+                          "model.position_embedding_type=rope without multi-latent attention.",
+                          "Unset model.local_rotary_base.")
