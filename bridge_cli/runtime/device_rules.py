@@ -28,6 +28,8 @@ CUDA_ONLY: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("profiling.record_memory_history=true", lambda c: c.profiling is not None and c.profiling.record_memory_history,
      "profiling.record_memory_history=false"),
     ("dist.distributed_backend=nccl", lambda c: c.dist.distributed_backend == "nccl", "dist.distributed_backend=gloo"),
+    ("straggler.log_straggler=true", lambda c: c.straggler is not None and c.straggler.log_straggler,
+     "straggler.log_straggler=false"),
 )
 """(setting, whether the config has it, the CPU fix): what only the GPU path honours."""
 
