@@ -7,7 +7,7 @@ time into an estimated throughput, and rank 0 logs the slowest and fastest ranks
 (``MnEtpt``/``MxEtpt``, TFLOP/s and rank), GPU time, batch time, power, temperature, utilization
 and clock (``straggler_minmax_count`` > 1 lists that many at each end). A request to
 ``straggler_ctrlr_port`` on rank 0 toggles the timing at the next report. CUDA only: the
-validation pass refuses it on the CPU (``runtime.device_rules``).
+validation pass refuses it on the CPU (``runtime.device_rules``); the GPU readings need nvidia-ml-py.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any, Optional
 import torch.distributed as dist
 
 from bridge_cli.logging.python_logging import show_info_records
+from bridge_cli.runtime.errors import RuntimeUnavailable
 
 FORWARD_ONLY_AMPLIFICATION = 3.0
 """Forward plus backward FLOPs over the forward's: the detector times the forward passes only."""
@@ -27,7 +28,15 @@ def start_straggler_detector(cfg) -> Optional[Any]:
     None without ``log_straggler``. Its report goes to megatron-core's ``megatron.core.utils`` logger."""
     if cfg is None or not cfg.log_straggler:
         return None
+    import importlib.util
+
     from megatron.core.utils import StragglerDetector
+
+    if importlib.util.find_spec("pynvml") is None:
+        raise RuntimeUnavailable(
+            "straggler.log_straggler=true: megatron-core's StragglerDetector reads each GPU's power, temperature, "
+            "utilization and clock through torch.cuda, which needs the nvidia-ml-py package, not installed here. "
+            "Run `pip install nvidia-ml-py`, or unset straggler.log_straggler.")
 
     detector = StragglerDetector()
     detector.configure(dist.get_world_size(), dist.get_rank(), mmcnt=cfg.straggler_minmax_count,

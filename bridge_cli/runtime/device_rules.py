@@ -57,8 +57,8 @@ def check_device(cfg, device: str) -> None:
                  for setting, fix in found]
         keys = ", ".join(setting for setting, _ in found)
         raise RuntimeUnavailable(
-            f"{keys} need{'s' if len(found) == 1 else ''} CUDA and no GPU is visible. To train on the CPU "
-            f"(fp32, plain optimizer), add: {' '.join(dict.fromkeys(fixes))}. To check a GPU run's config "
+            f"{keys} need{'s' if len(found) == 1 else ''} CUDA and no GPU is visible. To run on the CPU, "
+            f"add: {' '.join(dict.fromkeys(fixes))}. To check a GPU run's config "
             "from here, add --device cuda to --dry-run or config validate.")
     if cfg.optimizer.optimizer not in CPU_OPTIMIZERS:
         raise RuntimeUnavailable(f"optimizer.optimizer={cfg.optimizer.optimizer} is not supported on the CPU; "
