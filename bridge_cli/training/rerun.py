@@ -34,6 +34,10 @@ def initialize(cfg) -> None:
     initialize_rerun_state_machine(
         state_save_func=save_tracker, state_restore_func=restore_tracker, mode=RerunMode(cfg.rerun_mode),
         error_injector=RerunErrorInjector(cfg.error_injection_rate, RerunDiagnostic(cfg.error_injection_type)))
+    if cfg.rerun_mode == RerunMode.REPORT_DETERMINISM_STATS:
+        from bridge_cli.logging.python_logging import show_info_records
+
+        show_info_records("megatron.core.rerun_state_machine")  # where megatron-core logs the statistics
 
 
 def replayable(data_iterator):

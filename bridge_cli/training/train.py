@@ -12,6 +12,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
+from bridge_cli.checkpoint.layout import checkpoint_dir
 from bridge_cli.logging.timers import timed
 from bridge_cli.logging.training_logger import TrainingDiverged, TrainingLogger
 from bridge_cli.training.forward_step_func_types import ForwardStepCallable
@@ -176,9 +177,8 @@ def disable_forward_pre_hook(model: list, param_sync: bool = True) -> None:
 
 def save_checkpoint_and_time(state: GlobalState, model: list, optimizer, opt_param_scheduler,
                              num_floating_point_operations_so_far: float, checkpointing_context: dict[str, Any],
-                             non_persistent_ckpt: bool = False, train_data_iterator=None) -> Path:
-    """Save a checkpoint of the current step through ``state.checkpoint_manager``, print where and how
-    long, and return its folder.
+                             non_persistent_ckpt: bool = False, train_data_iterator=None) -> None:
+    """Save a checkpoint of the current step through ``state.checkpoint_manager`` and print where and how long.
 
     ``num_floating_point_operations_so_far`` is what the checkpoint records as the FLOPs so far;
     the data position is the consumed-sample count, and ``train_data_iterator`` matters only to the
@@ -202,7 +202,6 @@ def save_checkpoint_and_time(state: GlobalState, model: list, optimizer, opt_par
         from bridge_cli.convert.hf_training import export_checkpoint
 
         export_checkpoint(state.cfg.checkpoint, state.train_state.step)
-    return path
 
 
 def checkpoint_and_decide_exit(state: GlobalState, model: list, optimizer, opt_param_scheduler,
@@ -243,6 +242,19 @@ def checkpoint_and_decide_exit(state: GlobalState, model: list, optimizer, opt_p
         _say(f"exiting at iteration {step} (train.exit_interval={train_cfg.exit_interval})")
         return True
     return False
+
+
+def _stop_for_the_rerun_state_machine(state: GlobalState, model: list, optimizer, scheduler,
+                                      checkpointing_context: dict[str, Any], train_data_iterator, should_checkpoint: bool,
+                                      exit_code: int) -> None:
+    """The machine stops the run in the middle of a step, undone: save the step before it if it asks, and say why."""
+    save, step = state.cfg.checkpoint.save, state.train_state.step
+    saved = None
+    if should_checkpoint and save:
+        save_checkpoint_and_time(state, model, optimizer, scheduler, state.train_state.floating_point_operations_so_far,
+                                 checkpointing_context, train_data_iterator=train_data_iterator)
+        saved = checkpoint_dir(Path(save), step)
+    _say(rerun.exit_line(exit_code, step + 1, saved, save))
 
 
 def _say(line: str) -> None:
@@ -292,13 +304,9 @@ def train(forward_step_func: ForwardStepCallable, model: list, optimizer, schedu
             profiler.before_step(ts.step + 1)
             loss_dict, skipped, should_checkpoint, should_exit, step_exit_code, grad_norm, num_zeros = train_step(
                 step_func, train_data_iterator, model, optimizer, scheduler, global_state)
-            if should_exit:  # the rerun state machine's decision, the step undone: save the step before it
-                saved = None
-                if should_checkpoint and cfg.checkpoint.save:
-                    saved = save_checkpoint_and_time(global_state, model, optimizer, scheduler,
-                                                     ts.floating_point_operations_so_far, checkpointing_context,
-                                                     train_data_iterator=train_data_iterator)
-                _say(rerun.exit_line(step_exit_code, ts.step + 1, saved, cfg.checkpoint.save))
+            if should_exit:
+                _stop_for_the_rerun_state_machine(global_state, model, optimizer, scheduler, checkpointing_context,
+                                                  train_data_iterator, should_checkpoint, step_exit_code)
                 exit_code = step_exit_code
                 break
             ts.step += 1
