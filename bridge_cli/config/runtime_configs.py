@@ -78,8 +78,7 @@ class RerunStateMachineConfig:
     """What an injected result behaves like on its re-runs (with error_injection_rate > 0)."""
 
     rerun_mode: str = one_of("disabled", "disabled", "validate_results", "report_determinism_stats")
-    """validate_results: re-run a step whose loss is NaN/Inf or spiky; report_determinism_stats: re-run every step
-    and log how results vary. Off by default, as it syncs the host every micro-batch (Megatron-LM: validate_results)."""
+    """validate_results re-runs a step whose loss fails a check; report_determinism_stats re-runs each step, logs the variation. Off by default: it syncs the host each micro-batch (Megatron-LM's default: validate_results)."""
 
     check_for_nan_in_loss: bool = True
     """Validate each micro-batch's loss for NaN and Inf (with rerun_mode; without it a NaN/Inf loss stops the run anyway)."""
