@@ -198,11 +198,14 @@ def _load(state, model: list, optimizer, scheduler, path: Path, weights_only: bo
     verify.check_model_matches(path, template, stored, state.cfg.derived.model, saved)
     load_optim = not weights_only and optimizer is not None and _optimizer_state_fits(path, state.cfg, stored, saved)
     load_rng = not weights_only and _rng_states_fit(path, ckpt, stored)
+    load_rerun = not weights_only and _rerun_is_pending(path, common, stored)
     if load_optim:
         _initialize_optimizer_state(optimizer)
 
     sharded = state_dict.build(state.train_state, model, optimizer, scheduler, metadata=metadata, optim=load_optim,
                                rng=load_rng, is_cuda=state.runtime.is_cuda, is_loading=True, select=select)
+    if load_rerun:
+        sharded.update(state_dict.rerun_template())
     with warnings.catch_warnings():
         # torch's and megatron-core's own deprecation notices about their internals: nothing to act on
         warnings.filterwarnings("ignore", message=".*(deprecating ShardedTensor|`load_state_dict` is deprecated)",
@@ -221,6 +224,10 @@ def _load(state, model: list, optimizer, scheduler, path: Path, weights_only: bo
         _restore_progress(path, state.train_state, scheduler, loaded)
     if load_rng:
         state_dict.restore_rng_states(loaded["rng_state"][0])
+    if load_rerun:
+        from megatron.core.rerun_state_machine import get_rerun_state_machine
+
+        get_rerun_state_machine().load_state_dict(loaded["rerun_state_machine"])
     dist.barrier()
     return int(loaded.get("iteration", 0))
 
@@ -275,6 +282,31 @@ def _rng_states_fit(path: Path, ckpt, stored: dict) -> bool:
         pp, tp = rng.global_shape
         _say(f"{path} was saved with pipeline x tensor parallel {pp} x {tp}; the RNG states are not restored "
              "under this layout (model and optimizer are resharded).")
+        return False
+    return True
+
+
+def _rerun_is_pending(path: Path, common: dict, stored: dict) -> bool:
+    """Whether the checkpoint holds a step for the rerun state machine to re-run, and this run will.
+
+    Only a checkpoint saved for a re-run elsewhere does (megatron-core 0.16 also saves one when a
+    re-run disagreed, which cannot be resumed as a re-run: training goes on from it). It needs the
+    machine on and the world size that saved it, as Megatron-LM does.
+    """
+    from megatron.core.rerun_state_machine import RerunMode, RerunState, get_rerun_state_machine
+
+    machine, saved = get_rerun_state_machine(), common.get("rerun_state_machine")
+    if not machine.validate_state_dict(saved) or saved["state"] != RerunState.WILL_RERUN_FROM_CHECKPOINT:
+        return False
+    step = f"iteration {int(common.get('iteration', 0)) + 1}"
+    if machine.get_mode() == RerunMode.DISABLED:
+        _say(f"{path} was saved to re-run {step} on another GPU; rerun_state_machine.rerun_mode=disabled "
+             "trains on without that re-run.")
+        return False
+    shards = next((v for k, v in stored.items() if k.split("/")[0] == "rerun_state_machine_state"), None)
+    if shards is None or tuple(shards.global_shape) != (dist.get_world_size(),):
+        _say(f"{path} was saved to re-run {step} by {shards.global_shape[0] if shards else 'another number of'} "
+             f"processes; with {dist.get_world_size()} the re-run is skipped and training goes on.")
         return False
     return True
 

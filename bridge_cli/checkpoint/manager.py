@@ -80,14 +80,17 @@ class CheckpointManager:
             return "non-persistent"
         return None
 
-    def save(self, non_persistent: bool = False) -> Path:
-        """Save model, optimizer, scheduler, RNG and progress at the current step; returns the folder."""
+    def save(self, non_persistent: bool = False, data_iterator=None) -> Path:
+        """Save model, optimizer, scheduler, RNG and progress at the current step, and the rerun state
+        machine's state (with ``data_iterator``, the training data's, for a step it will re-run);
+        returns the folder."""
         ckpt, step = self.cfg, self.train_state.step
         root = save_root(ckpt, non_persistent)
         select = self.adapters.is_adapter_key if self.adapters else None
         sharded = state_dict.build(self.train_state, self.model, self.optimizer, self.scheduler, metadata=self.metadata,
                                    optim=ckpt.save_optim and self.optimizer is not None, rng=ckpt.save_rng,
                                    is_cuda=self.is_cuda, select=select)
+        sharded.update(state_dict.rerun_state(data_iterator))
         if self.adapters:
             sharded["peft"] = self.adapters.entry(self.base_checkpoint)
         self._check_free_space(root, step)

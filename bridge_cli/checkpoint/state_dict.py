@@ -2,7 +2,8 @@
 
 Keys follow Megatron-LM's ``torch_dist`` checkpoints: ``model`` (``model0``, ``model1``, ... with
 virtual pipeline stages), ``optimizer``, ``rng_state``, ``opt_param_scheduler``, ``iteration``,
-``checkpoint_version`` and ``num_floating_point_operations_so_far``. ``train_state`` (bridge's
+``checkpoint_version``, ``num_floating_point_operations_so_far`` and, when megatron-core's rerun state
+machine has state to keep, ``rerun_state_machine``. ``train_state`` (bridge's
 progress counters, whose consumed samples are the data position) and ``bridge`` (a marker) are
 added. A run with adapters (LoRA, see :mod:`bridge_cli.checkpoint.adapters`) saves only their tensors
 under ``model``, and ``peft`` (the adapter settings and the base checkpoint's path) in the common
@@ -85,6 +86,27 @@ def build(train_state, model: list, optimizer, scheduler, *, metadata: dict, opt
     if rng:
         sharded["rng_state"] = rng_sharded_object(is_cuda)
     return sharded
+
+
+def rerun_state(data_iterator=None) -> dict[str, Any]:
+    """``{"rerun_state_machine": ...}`` where megatron-core's rerun state machine has state to keep, else {}.
+
+    It has when a step is to be re-run from this checkpoint (the step's micro-batches from
+    ``data_iterator`` included); from megatron-core 0.19 on, also at every save while it is enabled.
+    Its run-level state goes into the common state, its per-rank state into one ``ShardedObject`` per rank.
+    """
+    from megatron.core.rerun_state_machine import get_rerun_state_machine
+
+    saved = get_rerun_state_machine().state_dict(data_iterator=data_iterator, ckpt_format="torch_dist")
+    return {"rerun_state_machine": saved} if saved else {}
+
+
+def rerun_template() -> dict[str, Any]:
+    """The ``rerun_state_machine`` entry for ``dist_checkpointing.load`` to fill in."""
+    from megatron.core.rerun_state_machine import get_rerun_state_machine
+
+    return {"rerun_state_machine": get_rerun_state_machine().state_dict(data_iterator=None, ckpt_format="torch_dist",
+                                                                        force=True)}
 
 
 def rng_sharded_object(is_cuda: bool):

@@ -70,6 +70,8 @@ RANGES: dict[str, Range] = {
     "logger.log_interval": AT_LEAST_1, "logger.tensorboard_log_interval": AT_LEAST_1,
     "dist.distributed_timeout_minutes": AT_LEAST_1,
     "checkpoint.save_interval": AT_LEAST_1, "checkpoint.non_persistent_save_interval": AT_LEAST_1,
+    "rerun_state_machine.error_injection_rate": AT_LEAST_0,
+    "straggler.straggler_ctrlr_port": Range(1, 65535), "straggler.straggler_minmax_count": AT_LEAST_1,
 }
 """Full key -> its range."""
 

@@ -69,16 +69,37 @@ class DistributedInitConfig:
 
 @dataclass
 class RerunStateMachineConfig:
-    """Rerun state machine for result validation or determinism statistics."""
+    """megatron-core's rerun state machine: re-run a step whose loss looks wrong, to tell a faulty GPU from a real result."""
 
     error_injection_rate: int = 0
-    """Inject an unexpected result once every this many validations (0 disables injection)."""
+    """Inject an unexpected result into about one in this many loss validations (0: never); needs validate_results."""
 
     error_injection_type: str = one_of("transient_error", "correct_result", "transient_error", "persistent_error")
-    """Type of error to inject."""
+    """What an injected result behaves like on its re-runs (with error_injection_rate > 0)."""
 
     rerun_mode: str = one_of("disabled", "disabled", "validate_results", "report_determinism_stats")
-    """Rerun engine mode: off, validate results, or report variability from non-deterministic kernels."""
+    """validate_results re-runs a step whose loss fails a check; report_determinism_stats re-runs each step, logs the variation. Off by default: it syncs the host each micro-batch (Megatron-LM's default: validate_results)."""
+
+    check_for_nan_in_loss: bool = True
+    """Validate each micro-batch's loss for NaN and Inf (with rerun_mode; without it a NaN/Inf loss stops the run anyway)."""
+
+    check_for_spiky_loss: bool = False
+    """Validate each micro-batch's loss against 10x the largest of the first 100 (needs rerun_mode)."""
+
+    def check(self) -> list[tuple[str, str]]:
+        """(field, message) for each setting that would do nothing in this mode."""
+        problems = []
+        if self.error_injection_rate and self.rerun_mode != "validate_results":
+            problems.append(("error_injection_rate", f"injects results only with rerun_mode=validate_results (it is "
+                                                     f"{self.rerun_mode}). Set rerun_state_machine.rerun_mode="
+                                                     "validate_results, or leave this at 0."))
+        if self.error_injection_type != "transient_error" and not self.error_injection_rate:
+            problems.append(("error_injection_type", "takes effect only with error_injection_rate > 0. Set "
+                                                     "rerun_state_machine.error_injection_rate too."))
+        if self.check_for_spiky_loss and self.rerun_mode == "disabled":
+            problems.append(("check_for_spiky_loss", "is checked by the rerun state machine, which is disabled. Set "
+                                                     "rerun_state_machine.rerun_mode=validate_results."))
+        return problems
 
 
 @dataclass
@@ -151,22 +172,22 @@ class FaultToleranceConfig:
 
 @dataclass
 class StragglerDetectionConfig:
-    """Megatron's built-in GPU straggler detector."""
+    """megatron-core's StragglerDetector: per-rank GPU throughput, to find the rank that slows the others (GPU only)."""
 
     log_straggler: bool = False
-    """Track and log stragglers per GPU."""
+    """Every logger.log_interval, log the slowest and fastest ranks' estimated throughput, GPU time and clocks."""
 
     enable_straggler_on_startup: bool = True
-    """Enable the straggler detector at startup."""
+    """Time from the first step (false: only once toggled on through straggler_ctrlr_port)."""
 
     straggler_ctrlr_port: int = 65535
-    """Port used to toggle the straggler detector on and off at runtime."""
+    """TCP port on rank 0 where a request (e.g. `curl host:port`) toggles timing on or off at the next report."""
 
     straggler_minmax_count: int = 1
-    """Number of ranks to report with the highest and lowest estimated throughput."""
+    """Also list this many slowest and fastest ranks by estimated throughput (above 1)."""
 
     disable_straggler_on_startup: bool = False
-    """Disable the straggler detector at startup."""
+    """Do not time from the first step (Megatron-LM's flag; wins over enable_straggler_on_startup)."""
 
 
 @dataclass

@@ -12,19 +12,16 @@ from typing import Any
 
 from bridge_cli.config.errors import ConfigError
 
-_RESILIENCE = "needs nvidia-resiliency-ext's launcher and monitors, which bridge does not drive yet."
+_RESILIENCE = ("runs through NVIDIA Resiliency Extension (the nvidia-resiliency-ext package: `pip install "
+               "nvidia-resiliency-ext`), which this version of bridge does not drive yet")
 
 UNSUPPORTED: dict[str, str] = {
-    "ft": "Fault tolerance " + _RESILIENCE,
-    "straggler": "megatron-core's straggler detector is not wired into bridge's loop yet.",
-    "nvrx_straggler": "NVRx straggler detection " + _RESILIENCE,
+    "ft": f"fault tolerance {_RESILIENCE}, with its ft_launcher.",
+    "nvrx_straggler": f"NVRx straggler detection {_RESILIENCE}. On the GPU, straggler.log_straggler=true reports "
+                      "per-rank throughput with megatron-core's own detector.",
     "rng.te_rng_tracker": "Transformer Engine's RNG tracker (CUDA graphs) is not supported.",
     "rng.inference_rng_tracker": "the inference RNG tracker is not supported (bridge trains).",
     "rng.data_parallel_random_init": "every data-parallel replica starts from the same weights (DDP broadcasts them).",
-    "rerun_state_machine.error_injection_rate": "error injection needs rerun_state_machine.rerun_mode, which is "
-                                                "not supported yet.",
-    "rerun_state_machine.error_injection_type": "error injection needs rerun_state_machine.rerun_mode, which is "
-                                                "not supported yet.",
     "train.exit_signal_handler_for_dataloader": "dataloader workers do not install the exit signal handler; "
                                                 "the main process handles train.exit_signal.",
     "checkpoint.non_persistent_local_ckpt_dir": "only global non-persistent checkpoints are supported.",

@@ -32,3 +32,17 @@ def configure_python_logging(cfg) -> None:
 
     for logger in loggers:
         logger.addFilter(keep)
+
+
+def show_info_records(name: str) -> None:
+    """Print the INFO records of logger ``name`` too (megatron-core logs its straggler and determinism
+    reports there), on stderr like its warnings, unless logger.logging_level has set that logger's level."""
+    import sys
+
+    logger = logging.getLogger(name)
+    if logger.level == logging.NOTSET:
+        logger.setLevel(logging.INFO)
+    if not any(getattr(handler, "shows_info_records", False) for handler in logger.handlers):
+        handler = logging.StreamHandler(sys.stderr)  # formatted as logging's last-resort handler prints warnings
+        handler.shows_info_records = True
+        logger.addHandler(handler)

@@ -77,6 +77,11 @@ class TrainingLogger:
         self.history_wct: list[float] = [self.run_started]
         self.timers = global_state.timers
         self.moe = moe_metrics_for(self.cfg.model)
+        self.stragglers = None
+        if global_state.straggler_timer is not None:
+            from bridge_cli.logging.stragglers import StragglerReport
+
+            self.stragglers = StragglerReport(global_state.straggler_timer, self.cfg.logger.log_interval)
         self.energy = None
         if self.cfg.logger.log_energy:
             from bridge_cli.logging.energy import EnergyMonitor
@@ -101,6 +106,8 @@ class TrainingLogger:
         write_step = ts.step % log.tensorboard_log_interval == 0
         # Collectives first, on every rank at the same steps; only the logging rank prints and writes.
         params_norm = calc_params_l2_norm(self.model) if log.log_params_norm and log_step else None
+        if self.stragglers is not None:
+            self.stragglers.after_step(ts.step, flops)
         collected = self._collect(log_step, write_step)
         if self.moe is not None:
             from megatron.core.num_microbatches_calculator import get_num_microbatches

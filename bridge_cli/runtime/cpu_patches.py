@@ -43,6 +43,11 @@ available and nothing the second time it runs. Symbol by symbol:
     rank's gradient lands in its peer's activation buffer. Redirected to ``_p2p_ops``, the
     unbatched path with the same arguments, which orders the pair by rank parity and puts one
     direction on another communicator; its requests come back as the list callers expect.
+``megatron.core.rerun_state_machine.torch``
+    The rerun state machine all-reduces its re-run and checkpoint requests as
+    ``torch.tensor(..., device="cuda")`` and, before each step it may re-run, saves and restores
+    the CUDA generator with the default ones. The same view of ``torch``, whose ``tensor`` maps
+    ``cuda`` to ``cpu`` and whose CUDA generator is the CPU default generator.
 ``megatron.core.transformer.moe``: ``token_dispatcher.torch``, ``shared_experts.torch``, ``moe_utils.torch``
     The alltoall token dispatcher creates a ``torch.cuda.Stream`` when built and, each
     forward, copies its split sizes to the host on that side stream and waits on an event;
@@ -84,6 +89,7 @@ def apply_cpu_patches() -> None:
     if _applied or torch.cuda.is_available():
         return
     from megatron.core import optimizer as mcore_optimizer
+    from megatron.core import rerun_state_machine
     from megatron.core.models.common.embeddings import rope_utils
     from megatron.core.pipeline_parallel import p2p_communication, schedules
     from megatron.core.tensor_parallel import random as mcore_random
@@ -100,6 +106,7 @@ def apply_cpu_patches() -> None:
     transformer_utils.torch = _TorchOnCPU(torch)
     rope_utils.torch = _TorchOnCPU(torch)
     mcore_random.torch = _TorchOnCPU(torch)
+    rerun_state_machine.torch = _TorchOnCPU(torch)
     for module in (token_dispatcher, shared_experts, moe_utils):
         module.torch = _TorchOnCPU(torch)
     token_dispatcher.maybe_move_tensor_to_cpu = _to_host
@@ -210,8 +217,8 @@ class _TorchOnCPU(types.ModuleType):
     def ones(self, *size, device=None, **kwargs):
         return self._real.ones(*size, device=_host(device), **kwargs)
 
-    def tensor(self, data, *args, pin_memory: bool = False, **kwargs):
-        return self._real.tensor(data, *args, **kwargs)
+    def tensor(self, data, *args, device=None, pin_memory: bool = False, **kwargs):
+        return self._real.tensor(data, *args, device=_host(device), **kwargs)
 
     def autocast(self, device_type: str, *args, **kwargs):
         return self._real.autocast("cpu" if device_type == "cuda" else device_type, *args, **kwargs)

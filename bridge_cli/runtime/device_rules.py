@@ -29,6 +29,8 @@ CUDA_ONLY: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("profiling.record_memory_history=true", lambda c: c.profiling is not None and c.profiling.record_memory_history,
      "profiling.record_memory_history=false"),
     ("dist.distributed_backend=nccl", lambda c: c.dist.distributed_backend == "nccl", "dist.distributed_backend=gloo"),
+    ("straggler.log_straggler=true", lambda c: c.straggler is not None and c.straggler.log_straggler,
+     "straggler.log_straggler=false"),
 )
 """(setting, whether the config has it, the CPU fix): what only the GPU path honours."""
 
@@ -56,8 +58,8 @@ def check_device(cfg, device: str) -> None:
                  for setting, fix in found]
         keys = ", ".join(setting for setting, _ in found)
         raise RuntimeUnavailable(
-            f"{keys} need{'s' if len(found) == 1 else ''} CUDA and no GPU is visible. To train on the CPU "
-            f"(fp32, plain optimizer), add: {' '.join(dict.fromkeys(fixes))}. To check a GPU run's config "
+            f"{keys} need{'s' if len(found) == 1 else ''} CUDA and no GPU is visible. To run on the CPU, "
+            f"add: {' '.join(dict.fromkeys(fixes))}. To check a GPU run's config "
             "from here, add --device cuda to --dry-run or config validate.")
     if cfg.optimizer.optimizer not in CPU_OPTIMIZERS:
         raise RuntimeUnavailable(f"optimizer.optimizer={cfg.optimizer.optimizer} is not supported on the CPU; "

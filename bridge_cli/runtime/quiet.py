@@ -13,17 +13,19 @@ _WARNINGS = (
     ".*all_gather_into_tensor` is deprecated",  # megatron-core's Timers, on torch >= 2.12
 )
 _LOG_LINES = {
-    "megatron.core.rerun_state_machine": "RerunStateMachine initialized",
-    "megatron.core.datasets.gpt_dataset": "because path_to_cache is None",  # mock data has nothing to cache
+    # bridge's own lines say what the machine does; evaluation pauses it (and it logs each switch)
+    "megatron.core.rerun_state_machine": ("RerunStateMachine initialized", "Setting RerunStateMachine mode"),
+    "megatron.core.datasets.gpt_dataset": ("because path_to_cache is None",),  # mock data has nothing to cache
     # torch 2.11 fails to JSON-log its own dynamo config once model.compile_layers has set
     # ignore_logging_functions (torch 2.13 leaves that key out), both its compilation and its runtime
     # metrics; compilation itself is unaffected
-    "torch._dynamo.metrics_context": "Unexpected exception logging",
+    "torch._dynamo.metrics_context": ("Unexpected exception logging",),
 }
 
 
 def quiet_known_noise() -> None:
     for message in _WARNINGS:
         warnings.filterwarnings("ignore", message=message)
-    for name, fragment in _LOG_LINES.items():
-        logging.getLogger(name).addFilter(lambda record, fragment=fragment: fragment not in record.getMessage())
+    for name, fragments in _LOG_LINES.items():
+        logging.getLogger(name).addFilter(
+            lambda record, fragments=fragments: not any(f in record.getMessage() for f in fragments))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Iterator
 
@@ -22,7 +23,7 @@ def get_batch(data_iterator: Iterator, device: torch.device, use_mask: bool) -> 
 def forward_step(state: GlobalState, data_iterator: Iterator, model, return_schedule_plan: bool = False):
     """Forward one micro-batch; return the per-token losses and the function that reduces them."""
     use_mask = not getattr(state.cfg.dataset, "skip_getting_attention_mask_from_dataset", True)
-    with timed(state.timers, "batch-generator", log_level=2):
+    with timed(state.timers, "batch-generator", log_level=2), _straggler_timed(state, batch=True):
         batch = get_batch(data_iterator, state.runtime.device, use_mask)
     cp_size = state.cfg.model.context_parallel_size
     cp_rank = _context_parallel_rank() if cp_size > 1 else 0
@@ -36,9 +37,19 @@ def forward_step(state: GlobalState, data_iterator: Iterator, model, return_sche
         from bridge_cli.models.attention.context_parallel import slice_rows
 
         batch = {key: slice_rows(value, cp_size, cp_rank) for key, value in batch.items()}
-    output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"],
-                   **documents)
-    return output, functools.partial(masked_next_token_loss, batch["loss_mask"])
+    with _straggler_timed(state):
+        output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"), labels=batch["labels"],
+                       **documents)
+    checks = state.cfg.rerun_state_machine
+    return output, functools.partial(masked_next_token_loss, batch["loss_mask"],
+                                     check_for_nan_in_loss=checks.check_for_nan_in_loss,
+                                     check_for_spiky_loss=checks.check_for_spiky_loss)
+
+
+def _straggler_timed(state: GlobalState, batch: bool = False):
+    """The straggler detector's timing context (``batch``: host time of loading a batch), or none."""
+    timer = state.straggler_timer
+    return contextlib.nullcontext() if timer is None else timer(bdata=batch)
 
 
 def _context_parallel_rank() -> int:

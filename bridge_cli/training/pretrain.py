@@ -44,13 +44,14 @@ def run_session(config: ConfigContainer) -> Iterator[GlobalState]:
     global state and the process groups afterwards, however the run ends. pretrain(), finetune()
     and evaluation run inside one."""
     from megatron.core.num_microbatches_calculator import destroy_num_microbatches_calculator
-    from megatron.core.rerun_state_machine import RerunMode, destroy_rerun_state_machine, initialize_rerun_state_machine
+    from megatron.core.rerun_state_machine import destroy_rerun_state_machine
 
     from bridge_cli.runtime.distributed import destroy_distributed
+    from bridge_cli.training import rerun
 
     config.validate()
     state = GlobalState(cfg=config)
-    initialize_rerun_state_machine(mode=RerunMode.DISABLED)
+    rerun.initialize(config.rerun_state_machine)
     try:
         yield state
     finally:
@@ -88,7 +89,8 @@ def pretrain(config: ConfigContainer, forward_step_func: ForwardStepCallable) ->
         if not config.train.skip_train:
             exit_code = train(forward_step_func, out.model, out.optimizer, out.scheduler, out.train_data_iterator,
                               out.valid_data_iterator, state, checkpointing_context=context)
-        if exit_code:
+        if exit_code:  # the rerun state machine's decision: its checkpoint is complete before the exit
+            manager.finalize(blocking=True)
             sys.exit(exit_code)
         if config.checkpoint.save and ts.step > first_step and manager.last_saved_step != ts.step:
             save_checkpoint_and_time(state, out.model, out.optimizer, out.scheduler,

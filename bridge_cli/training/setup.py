@@ -130,6 +130,7 @@ def build_data_iterators(cfg: ConfigContainer, state: GlobalState, n_chunks: int
 
     from bridge_cli.data.builders import build_datasets, build_iterator
     from bridge_cli.data.tokenizers import build_tokenizer
+    from bridge_cli.training.rerun import replayable
 
     tokenizer = build_tokenizer(cfg.tokenizer, cfg.derived.vocab_size)
     train_ds, valid_ds, test_ds = build_datasets(cfg, tokenizer, sizes)
@@ -142,15 +143,18 @@ def build_data_iterators(cfg: ConfigContainer, state: GlobalState, n_chunks: int
         made = [build_iterator(dataset, cfg, consumed, dp_rank, dp_size, pin) for _ in range(n_chunks)]
         return made if n_chunks > 1 else made[0]
 
-    return (iterators(train_ds, ts.consumed_train_samples), iterators(valid_ds, ts.consumed_valid_samples),
-            iterators(test_ds, 0))
+    # the rerun state machine replays a step's training micro-batches
+    return (replayable(iterators(train_ds, ts.consumed_train_samples)),
+            iterators(valid_ds, ts.consumed_valid_samples), iterators(test_ds, 0))
 
 
 def initialize(state: GlobalState):
-    """Process groups, the validated config for this world, seeds, timers and the micro-batch calculator."""
+    """Process groups, the validated config for this world, seeds, timers (the straggler detector's too) and
+    the micro-batch calculator."""
     from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
 
     from bridge_cli.logging.python_logging import configure_python_logging
+    from bridge_cli.logging.stragglers import start_straggler_detector
     from bridge_cli.logging.timers import build_timers
     from bridge_cli.runtime.distributed import init_distributed
 
@@ -176,6 +180,7 @@ def initialize(state: GlobalState):
     set_seeds(cfg.rng.seed, runtime)
     # megatron-core's schedules, grad finalization and optimizer time themselves through these.
     state.timers = derived.model.timers = cfg.optimizer.timers = build_timers(cfg.logger)
+    state.straggler_timer = start_straggler_detector(cfg.straggler)
     init_num_microbatches_calculator(runtime.rank, cfg.train.rampup_batch_size, derived.global_batch_size,
                                      cfg.train.micro_batch_size, derived.data_parallel_size,
                                      cfg.train.decrease_batch_size_if_needed)

@@ -45,6 +45,9 @@ class GlobalState:
     """The TrainingLogger train() reports through (console, TensorBoard, W&B); pretrain() closes it."""
     checkpoint_manager: Any = None
     """The run's CheckpointManager (bridge_cli.checkpoint.manager), built by setup()."""
+    straggler_timer: Any = None
+    """megatron-core's StragglerDetector with straggler.log_straggler (set by setup()), else None; the forward step
+    times its batch loading and forward pass with it."""
     signal_handler: Any = None
     """The exit-signal handler train() installs with train.exit_signal_handler (see training.train.ExitSignal)."""
     base_checkpoint: Optional[str] = None

@@ -6,16 +6,19 @@ import gc
 import signal
 import sys
 import time
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
+from bridge_cli.checkpoint.layout import checkpoint_dir
 from bridge_cli.logging.timers import timed
 from bridge_cli.logging.training_logger import TrainingDiverged, TrainingLogger
 from bridge_cli.training.forward_step_func_types import ForwardStepCallable
 from bridge_cli.training.profiling import StepProfiler
 from bridge_cli.runtime.collectives import is_last_rank, on_any_rank, weights_match_across_dp_replicas
+from bridge_cli.training import rerun
 from bridge_cli.training.losses import grad_norm_is_finite, reduce_loss_dict
 from bridge_cli.training.state import GlobalState
 from bridge_cli.training.state_injection import prepare_forward_step_func
@@ -39,7 +42,9 @@ def train_step(forward_step_func: ForwardStepCallable, data_iterator, model: lis
     cfg = global_state.cfg
     forward_backward = get_forward_backward_func(global_state.runtime)
     rerun_state_machine = get_rerun_state_machine()
+    runs = 0
     while rerun_state_machine.should_run_forward_backward(data_iterator):
+        runs += 1
         for chunk in model:
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
@@ -57,6 +62,9 @@ def train_step(forward_step_func: ForwardStepCallable, data_iterator, model: lis
     should_checkpoint, should_exit, exit_code = rerun_state_machine.should_checkpoint_and_exit()
     if should_exit:
         return {}, True, should_checkpoint, should_exit, exit_code, None, None
+    went_on = rerun.went_on_line(global_state.train_state.step + 1, runs)
+    if went_on:
+        _say(went_on)
 
     with timed(global_state.timers, "optimizer", log_level=1, barrier=cfg.model.barrier_with_L1_time):
         update_successful, grad_norm, num_zeros_in_grad = optimizer.step()
@@ -89,7 +97,7 @@ def evaluate(global_state: GlobalState, forward_step_func: ForwardStepCallable, 
         gc.collect()
     totals: dict[str, torch.Tensor] = {}
     collected = None
-    with torch.no_grad():
+    with torch.no_grad(), rerun.paused():
         for _ in range(eval_iters):
             losses = forward_backward(forward_step_func=step_func, data_iterator=data_iterator, **fb_args)
             if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
@@ -173,9 +181,9 @@ def save_checkpoint_and_time(state: GlobalState, model: list, optimizer, opt_par
     """Save a checkpoint of the current step through ``state.checkpoint_manager`` and print where and how long.
 
     ``num_floating_point_operations_so_far`` is what the checkpoint records as the FLOPs so far;
-    the data position is the consumed-sample count, so ``train_data_iterator`` needs no state of its
-    own. The model, optimizer and scheduler are the ones the manager was built with; the signature
-    (``checkpointing_context`` included) is Megatron-Bridge's.
+    the data position is the consumed-sample count, and ``train_data_iterator`` matters only to the
+    rerun state machine (a step it will re-run). The model, optimizer and scheduler are the ones
+    the manager was built with; the signature (``checkpointing_context`` included) is Megatron-Bridge's.
     """
     ddp = state.cfg.ddp
     toggle_hooks = should_disable_forward_pre_hook(ddp.use_megatron_fsdp, ddp.use_distributed_optimizer,
@@ -184,7 +192,7 @@ def save_checkpoint_and_time(state: GlobalState, model: list, optimizer, opt_par
         disable_forward_pre_hook(model)
     started = time.time()
     state.train_state.floating_point_operations_so_far = num_floating_point_operations_so_far
-    path = state.checkpoint_manager.save(non_persistent=non_persistent_ckpt)
+    path = state.checkpoint_manager.save(non_persistent=non_persistent_ckpt, data_iterator=train_data_iterator)
     if toggle_hooks:
         enable_forward_pre_hook(model)
     kind = "non-persistent checkpoint" if non_persistent_ckpt else "checkpoint"
@@ -236,6 +244,19 @@ def checkpoint_and_decide_exit(state: GlobalState, model: list, optimizer, opt_p
     return False
 
 
+def _stop_for_the_rerun_state_machine(state: GlobalState, model: list, optimizer, scheduler,
+                                      checkpointing_context: dict[str, Any], train_data_iterator, should_checkpoint: bool,
+                                      exit_code: int) -> None:
+    """The machine stops the run in the middle of a step, undone: save the step before it if it asks, and say why."""
+    save, step = state.cfg.checkpoint.save, state.train_state.step
+    saved = None
+    if should_checkpoint and save:
+        save_checkpoint_and_time(state, model, optimizer, scheduler, state.train_state.floating_point_operations_so_far,
+                                 checkpointing_context, train_data_iterator=train_data_iterator)
+        saved = checkpoint_dir(Path(save), step)
+    _say(rerun.exit_line(exit_code, step + 1, saved, save))
+
+
 def _say(line: str) -> None:
     if is_last_rank():
         print(line, flush=True)
@@ -258,6 +279,7 @@ def train(forward_step_func: ForwardStepCallable, model: list, optimizer, schedu
           process_non_loss_data_func: Optional[Callable] = None, non_loss_data_func: Optional[Callable] = None) -> int:
     """Run training to ``train.train_iters`` (or an exit condition); returns the process exit code."""
     from megatron.core.num_microbatches_calculator import get_current_global_batch_size, update_num_microbatches
+    from megatron.core.rerun_state_machine import get_rerun_state_machine
 
     step_func = prepare_forward_step_func(forward_step_func, global_state)
     cfg, ts = global_state.cfg, global_state.train_state
@@ -268,6 +290,7 @@ def train(forward_step_func: ForwardStepCallable, model: list, optimizer, schedu
         gc.disable()
         gc.collect()
     logger = global_state.training_logger = global_state.training_logger or TrainingLogger(global_state, model)
+    get_rerun_state_machine().current_iteration = ts.step  # a resumed run's machine counts from its checkpoint
     profiler = StepProfiler(cfg.profiling, dist.get_rank(), global_state.runtime.is_cuda, cfg.logger.tensorboard_dir)
     exit_code = 0
     watched = ([train_cfg.exit_signal] if train_cfg.exit_signal_handler else []) + \
@@ -279,9 +302,11 @@ def train(forward_step_func: ForwardStepCallable, model: list, optimizer, schedu
             update_num_microbatches(ts.consumed_train_samples, consistency_check=False)
             batch_size = get_current_global_batch_size()
             profiler.before_step(ts.step + 1)
-            loss_dict, skipped, _, should_exit, step_exit_code, grad_norm, num_zeros = train_step(
+            loss_dict, skipped, should_checkpoint, should_exit, step_exit_code, grad_norm, num_zeros = train_step(
                 step_func, train_data_iterator, model, optimizer, scheduler, global_state)
             if should_exit:
+                _stop_for_the_rerun_state_machine(global_state, model, optimizer, scheduler, checkpointing_context,
+                                                  train_data_iterator, should_checkpoint, step_exit_code)
                 exit_code = step_exit_code
                 break
             ts.step += 1

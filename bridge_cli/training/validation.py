@@ -205,9 +205,22 @@ def _check_precision(cfg) -> None:
 
 
 def _check_rerun_mode(cfg) -> None:
-    if cfg.rerun_state_machine.rerun_mode != "disabled":
-        raise ConfigError("rerun_state_machine.rerun_mode", "only 'disabled' is supported by this version of bridge.",
-                          "NaN/Inf losses are still detected and reported with their iteration.")
+    rerun = cfg.rerun_state_machine
+    if rerun.rerun_mode == "report_determinism_stats" and _megatron_core_version() < (0, 19):
+        raise ConfigError("rerun_state_machine.rerun_mode",
+                          "report_determinism_stats fails in megatron-core before 0.19 (its statistics report reads "
+                          "fields its own Caller lacks).", "Use validate_results, or upgrade megatron-core to 0.19.")
+    if rerun.rerun_mode != "disabled" and rerun.check_for_nan_in_loss and cfg.model.fp16 and not cfg.optimizer.loss_scale:
+        raise ConfigError("rerun_state_machine.check_for_nan_in_loss",
+                          "under fp16 with dynamic loss scaling, a NaN/Inf loss is the loss scaler's signal, not a fault.",
+                          "Set rerun_state_machine.check_for_nan_in_loss=false (Megatron-LM turns it off there), "
+                          "or optimizer.loss_scale to a fixed value.")
+
+
+def _megatron_core_version() -> tuple[int, ...]:
+    from importlib.metadata import version
+
+    return tuple(int(part) for part in version("megatron-core").split(".")[:2])
 
 
 def _check_model_shape(m) -> None:

@@ -9,7 +9,18 @@ from tests.unit.test_cli_errors import assert_user_error
 REFUSED = [
     (["model.num_attention_heads=5"], ["model.num_query_groups", "does not divide model.num_attention_heads (5)"]),
     (["logger.log_interval=0"], ["logger.log_interval", "must be a finite number >= 1"]),
-    (["rerun_state_machine.rerun_mode=validate_results"], ["rerun_state_machine.rerun_mode"]),
+    (["rerun_state_machine.error_injection_rate=10"],
+     ["rerun_state_machine.error_injection_rate", "rerun_state_machine.rerun_mode=validate_results"]),
+    (["rerun_state_machine.check_for_spiky_loss=true"],
+     ["rerun_state_machine.check_for_spiky_loss", "rerun_state_machine.rerun_mode=validate_results"]),
+    (["rerun_state_machine.error_injection_type=persistent_error"],
+     ["rerun_state_machine.error_injection_type", "rerun_state_machine.error_injection_rate"]),
+    (["rerun_state_machine.rerun_mode=validate_results", "rerun_state_machine.error_injection_rate=-1"],
+     ["rerun_state_machine.error_injection_rate", "must be a finite number >= 0"]),
+    (["mixed_precision=fp16_mixed", "rerun_state_machine.rerun_mode=validate_results", "--device", "cuda"],
+     ["rerun_state_machine.check_for_nan_in_loss", "loss scaler's signal", "check_for_nan_in_loss=false"]),
+    (["straggler.log_straggler=true", "--device", "cpu"], ["straggler.log_straggler=true needs CUDA"]),
+    (["straggler.straggler_ctrlr_port=0", "--device", "cuda"], ["straggler.straggler_ctrlr_port", "<= 65535"]),
     (["model.num_layers=3", "model.pipeline_model_parallel_size=2", "--world-size", "2"],
      ["model.num_layers", "3 layers do not split evenly into 2 pipeline stages"]),
     (["model.ffn_hidden_size=511", "model.tensor_model_parallel_size=2", "--world-size", "2"],
@@ -27,8 +38,8 @@ def test_config_validate_and_dry_run_refuse_alike(cli, args, fragments):
 
 def test_a_run_refuses_what_validation_refuses(cli):
     """pretrain without --dry-run stops in the same pass, before any process group or model."""
-    assert_user_error(cli("pretrain", "recipe=tiny", "rerun_state_machine.rerun_mode=validate_results"),
-                      "rerun_state_machine.rerun_mode")
+    assert_user_error(cli("pretrain", "recipe=tiny", "rerun_state_machine.error_injection_rate=10"),
+                      "rerun_state_machine.error_injection_rate")
     assert_user_error(cli("pretrain", "recipe=tiny", "model.num_attention_heads=5"), "model.num_query_groups")
 
 
@@ -97,3 +108,17 @@ def test_output_folders_are_checked_before_any_work(cli, tmp_path):
     (garbage / "latest_checkpointed_iteration.txt").write_bytes(b"\x00\xff\xfe")
     assert_user_error(cli("pretrain", "recipe=tiny", f"checkpoint.load={garbage}"),
                       "latest_checkpointed_iteration.txt: expected an iteration number")
+
+
+def test_the_rerun_state_machine_is_accepted_where_megatron_core_runs_it(cli):
+    from importlib.metadata import version
+
+    ok = cli("config", "validate", "recipe=tiny", "rerun_state_machine.rerun_mode=validate_results",
+             "rerun_state_machine.check_for_spiky_loss=true", "rerun_state_machine.error_injection_rate=100",
+             "rerun_state_machine.error_injection_type=persistent_error")
+    assert ok.exit_code == 0, ok.output
+    stats = cli("config", "validate", "recipe=tiny", "rerun_state_machine.rerun_mode=report_determinism_stats")
+    if tuple(int(part) for part in version("megatron-core").split(".")[:2]) < (0, 19):
+        assert_user_error(stats, "rerun_state_machine.rerun_mode", "upgrade megatron-core to 0.19")
+    else:
+        assert stats.exit_code == 0, stats.output
