@@ -22,16 +22,20 @@ def fp8_gpu() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
 
 
+@pytest.fixture(scope="module")
+def bf16_curve() -> list[float]:
+    return losses(bridge("pretrain", *SMALL, "train.train_iters=30").stdout)
+
+
 @pytest.mark.skipif(not fp8_gpu(), reason="needs an sm89+ GPU")
 @pytest.mark.parametrize("preset", PRESETS)
-def test_fp8_preset_trains_as_bf16_does(preset):
-    bf16 = losses(bridge("pretrain", *SMALL, "train.train_iters=30").stdout)
+def test_fp8_preset_trains_as_bf16_does(preset, bf16_curve):
     result = bridge("pretrain", *SMALL, "train.train_iters=30", f"mixed_precision={preset}")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "FP8 GEMMs" in result.stdout and "linear layers in fp8" in result.stdout
     curve = losses(result.stdout)
     assert len(curve) == 30 and all(math.isfinite(x) for x in curve) and curve[-1] < curve[0]
-    assert curve[-1] == pytest.approx(bf16[-1], rel=0.03)
+    assert curve[-1] == pytest.approx(bf16_curve[-1], rel=0.03)
 
 
 @pytest.mark.skipif(not fp8_gpu(), reason="needs an sm89+ GPU")
