@@ -37,7 +37,7 @@ PEAK = re.compile(r"memory at the end of training .*peak allocated ([0-9.]+) GiB
 
 PROXY_OVERRIDES = [
     "recipe=llama1b", "model.share_embeddings_and_output_weights=false", "model.spec=torch",
-    "train.micro_batch_size=1", "train.global_batch_size=8", "model.seq_length=4096",
+    "train.micro_batch_size=1", "model.compile_layers=false", "train.global_batch_size=8", "model.seq_length=4096",
     "train.eval_iters=0", "logger.log_interval=1", "scheduler.lr_warmup_iters=1", "scheduler.lr_decay_iters=1000",
     "dataset.num_workers=2",
 ]
