@@ -259,6 +259,12 @@ def _optimizer_state_fits(path: Path, cfg, stored: dict, saved: Optional[dict]) 
         _say(f"{path} holds the state of a {'distributed' if saved_distributed else 'plain'} optimizer, which this "
              f"run's optimizer cannot read; {fresh}")
         return False
+    saved_experts = _expert_layout((saved or {}).get("model", {}))
+    if saved_experts not in (None, _expert_layout(vars(cfg.model))):
+        _say(f"{path} holds optimizer state for expert parallel x expert tensor parallel {saved_experts[0]} x "
+             f"{saved_experts[1]}: megatron-core groups the expert parameters' state by that layout, and it does not "
+             f"reshard to this run's; {fresh}")
+        return False
     saved_layout = _model_parallel_layout((saved or {}).get("model", {}))
     if saved_distributed and saved_layout not in (None, _model_parallel_layout(vars(cfg.model))):
         _say(f"{path} holds distributed-optimizer state for tensor x pipeline parallel {saved_layout[0]} x "
@@ -270,6 +276,13 @@ def _optimizer_state_fits(path: Path, cfg, stored: dict, saved: Optional[dict]) 
 def _model_parallel_layout(model: dict) -> Optional[tuple]:
     keys = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size")
     return tuple(model[k] for k in keys) if all(k in model for k in keys) else None
+
+
+def _expert_layout(model: dict) -> Optional[tuple]:
+    if not model.get("num_moe_experts") or "expert_model_parallel_size" not in model:
+        return None
+    tp = model.get("tensor_model_parallel_size", 1)
+    return model["expert_model_parallel_size"], model.get("expert_tensor_parallel_size") or tp
 
 
 def _rng_states_fit(path: Path, ckpt, stored: dict) -> bool:
