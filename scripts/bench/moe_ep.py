@@ -37,6 +37,12 @@ def summary(out: str, warmup: int = 3) -> dict:
             "peak": float(peak.group(1)) if peak else float("nan")}
 
 
+def report(name: str, r: dict) -> dict:
+    print(f"{name:<22} {r['step_ms']:>8.1f} {r['tokens']:>10,.0f} {r['tflops']:>8.1f} "
+          f"{r['tflops'] / H100_BF16_PEAK_TFLOPS:>6.1%} {r['peak']:>9.1f}", flush=True)
+    return r
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=30)
@@ -49,18 +55,16 @@ def main() -> None:
     bridge = [sys.executable, "-m", "bridge_cli", "pretrain"]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.ep), "-m", "bridge_cli",
                 "pretrain"]
+    print(f"{'run':<22} {'ms/step':>8} {'tok/s/gpu':>10} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>9}", flush=True)
     with tempfile.TemporaryDirectory() as save:
-        one = summary(run([*bridge, *base, f"train.train_iters={args.iters}"])[0])
-        ep = summary(run([*torchrun, *base, f"train.train_iters={args.iters}",
-                          f"model.expert_model_parallel_size={args.ep}", f"checkpoint.save={save}",
-                          f"checkpoint.save_interval={args.iters}"])[0])
+        # each run's line as soon as it ends, so a time limit keeps what finished
+        one = report("one GPU", summary(run([*bridge, *base, f"train.train_iters={args.iters}"])[0]))
+        ep = report(f"EP={args.ep} on {args.ep} GPUs", summary(run([
+            *torchrun, *base, f"train.train_iters={args.iters}", f"model.expert_model_parallel_size={args.ep}",
+            f"checkpoint.save={save}", f"checkpoint.save_interval={args.iters}"])[0]))
         resumed = summary(run([*bridge, *base, f"train.train_iters={args.iters + 5}", f"checkpoint.save={save}",
                                "checkpoint.save_interval=1000", "scheduler.override_opt_param_scheduler=true"])[0])
     differences = [abs(ep["losses"][i] / one["losses"][i] - 1) for i in one["losses"]]
-    print(f"\n{'run':<22} {'ms/step':>8} {'tok/s/gpu':>10} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>9}")
-    for name, r in (("one GPU", one), (f"EP={args.ep} on {args.ep} GPUs", ep)):
-        print(f"{name:<22} {r['step_ms']:>8.1f} {r['tokens']:>10,.0f} {r['tflops']:>8.1f} "
-              f"{r['tflops'] / H100_BF16_PEAK_TFLOPS:>6.1%} {r['peak']:>9.1f}")
     print(f"loss curves over {args.iters} iterations: largest relative difference {max(differences):.2e} "
           f"(first {one['losses'].get(1)}, last one GPU {one['losses'].get(args.iters)}, EP "
           f"{ep['losses'].get(args.iters)})")
