@@ -85,3 +85,20 @@ def test_to_dict_spells_dtypes_and_functions_by_name():
     values = container("tiny", "train.train_iters=33").to_dict()
     assert values["model"]["activation_func"] == "silu" and values["model"]["params_dtype"] == "float32"
     assert values["train"]["train_iters"] == 33 and values["dataset"]["seq_length"] == 128
+
+
+def test_the_sections_are_the_same_in_the_schema_the_container_and_the_primary_config():
+    """Three lists of sections exist for three readers (the schema, the dataclass, Hydra's defaults list):
+    adding a section to one and not the others fails here, not at a user's first run."""
+    import dataclasses
+
+    import yaml
+
+    from bridge_cli.config.schema import SECTIONS
+    from tests.conftest import REPO
+
+    container = {f.name for f in dataclasses.fields(ConfigContainer) if f.init} - {"mixed_precision"}
+    defaults = yaml.safe_load((REPO / "conf" / "config.yaml").read_text())["defaults"]
+    groups = {next(iter(entry)) for entry in defaults if isinstance(entry, dict)}
+    groups -= {"mixed_precision", "optional recipe"}
+    assert set(SECTIONS) | {"model", "optimizer", "ddp", "dataset", "peft"} == container == groups
