@@ -53,6 +53,7 @@ RANGES: dict[str, Range] = {
     "model.tensor_model_parallel_size": AT_LEAST_1, "model.pipeline_model_parallel_size": AT_LEAST_1,
     "model.context_parallel_size": AT_LEAST_1, "model.expert_model_parallel_size": AT_LEAST_1,
     "model.virtual_pipeline_model_parallel_size": AT_LEAST_1,
+    "model.attn_logit_softcapping": POSITIVE, "model.final_logit_softcapping": POSITIVE,
     "optimizer.lr": AT_LEAST_0, "optimizer.min_lr": AT_LEAST_0, "optimizer.weight_decay": AT_LEAST_0,
     "optimizer.adam_beta1": BETA, "optimizer.adam_beta2": BETA, "optimizer.adam_eps": POSITIVE,
     "optimizer.sgd_momentum": PROBABILITY, "optimizer.clip_grad": AT_LEAST_0, "optimizer.initial_loss_scale": POSITIVE,

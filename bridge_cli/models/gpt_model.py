@@ -7,9 +7,10 @@ training step passes :class:`~bridge_cli.models.attention.masks.DocumentParams` 
 positions, this gathers the rotary table at them once per forward, so every document is rotated
 as if it ran alone; the layers apply the ``[s, b, 1, d]`` table as they apply the shared one.
 
-``model.scale_embeddings`` multiplies the input embeddings by sqrt(hidden_size) (Gemma), and
+``model.scale_embeddings`` multiplies the input embeddings by sqrt(hidden_size) (Gemma),
 ``model.local_rotary_base`` gives the sliding-window layers a rotary table of their own
-(:mod:`~bridge_cli.models.local_rope`). Everything else, state-dict keys included, is megatron-core's.
+(:mod:`~bridge_cli.models.local_rope`), and ``model.final_logit_softcapping`` soft-caps the output
+logits (Gemma 2), on each tensor-parallel rank's share of the vocabulary. Everything else, state-dict keys included, is megatron-core's.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from bridge_cli.models.attention.masks import DocumentParams
 
 class GPTModel(MCoreGPTModel):
     """``GPTModel`` whose RoPE follows ``DocumentParams.rope_positions`` when a batch carries them, with
-    ``model.local_rotary_base`` and ``model.scale_embeddings`` when its config sets them."""
+    ``model.local_rotary_base``, ``model.scale_embeddings`` and ``model.final_logit_softcapping`` when its
+    config sets them."""
 
     def __init__(self, config, *args, **kwargs):
         super().__init__(config, *args, **kwargs)
@@ -37,6 +39,8 @@ class GPTModel(MCoreGPTModel):
                 use_cpu_initialization=config.use_cpu_initialization, cp_group=self.pg_collection.cp)
         if getattr(config, "scale_embeddings", False) and hasattr(self, "embedding"):
             self.embedding.register_forward_hook(_scale_by_sqrt_hidden)
+        if getattr(config, "final_logit_softcapping", None) and hasattr(self, "output_layer"):
+            self.output_layer.register_forward_hook(_soft_cap_logits)
 
     def _preprocess(self, *args, **kwargs):
         output = super()._preprocess(*args, **kwargs)
@@ -56,3 +60,10 @@ def _scale_by_sqrt_hidden(embedding, inputs, output: torch.Tensor) -> torch.Tens
     embeddings' dtype, as Gemma rounds it (sqrt(3072) is 55.5 in bfloat16), on the host: a Python
     number, not a device tensor, so that no micro-batch waits for a copy."""
     return output * torch.tensor(embedding.config.hidden_size ** 0.5, dtype=output.dtype).item()
+
+
+def _soft_cap_logits(output_layer, inputs, output: tuple) -> tuple:
+    """``model.final_logit_softcapping``, as a forward hook of the output layer (which returns logits and bias)."""
+    cap = output_layer.config.final_logit_softcapping
+    logits, bias = output
+    return torch.tanh(logits / cap) * cap, bias

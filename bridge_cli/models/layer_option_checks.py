@@ -1,6 +1,6 @@
 """Config rules of the Gemma-style model options that the ``local``/``torch`` specs add (models/specs.py):
-``layernorm_zero_centered_gamma``, ``post_sublayer_norm`` and ``local_rotary_base``; checked before any
-model is built."""
+``layernorm_zero_centered_gamma``, ``post_sublayer_norm``, ``local_rotary_base`` and the soft caps;
+checked before any model is built."""
 
 from __future__ import annotations
 
@@ -16,6 +16,9 @@ def check_layer_options(model) -> None:
         if getattr(model, key) not in (None, False) and spec == "te":
             raise ConfigError(f"model.{key}", "is built into the local and torch layer specs only, and model.spec=te.",
                               "Set model.spec=torch.")
+    if model.attn_logit_softcapping is not None and spec != "torch":
+        raise ConfigError("model.attn_logit_softcapping", f"is applied by the torch layer spec's attention only, and "
+                          f"model.spec={spec}.", "Set model.spec=torch.")
     if model.layernorm_zero_centered_gamma and spec != "te" and model.normalization != "RMSNorm":
         raise ConfigError("model.layernorm_zero_centered_gamma", f"the {spec} layer spec has a zero-centred RMSNorm "
                           f"only, and model.normalization={model.normalization}.",

@@ -64,6 +64,12 @@ class GPTModelProvider(MLATransformerConfig):
     scale_embeddings: bool = False
     """Multiply the input embeddings by sqrt(hidden_size), rounded to their dtype (Gemma)."""
 
+    attn_logit_softcapping: Optional[float] = None
+    """Soft-cap the scaled attention scores at +-c as c * tanh(score / c) before the softmax (Gemma 2: 50); torch spec only."""
+
+    final_logit_softcapping: Optional[float] = None
+    """Soft-cap the output logits at +-c as c * tanh(logit / c) (Gemma 2: 30); None: no cap."""
+
     share_embeddings_and_output_weights: bool = True
     """Tie the input embedding and the output projection (GPT-2, Llama-3.2-1B) or not (Llama-3-8B)."""
 

@@ -67,6 +67,11 @@ MODELS = {
         layer_types=["sliding_attention", "full_attention"],
         rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}), None),
+    # Gemma 3's layout without q/k norms, one RoPE base; soft caps low enough to bend a random model's scores
+    # (~0.01) and logits: without either cap the logits move by 1e-2
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
+        vocab_size=640, head_dim=32, query_pre_attn_scalar=24, sliding_window=8, attn_logit_softcapping=0.05,
+        final_logit_softcapping=3.0, layer_types=["sliding_attention", "full_attention"]), None),
 }
 MOE = ("mixtral", "qwen3_moe", "olmoe")
 """The mixture-of-experts families, loaded at EP=2 too."""
@@ -196,7 +201,7 @@ def test_import_writes_a_checkpoint_and_recipe_in_the_project_layout(imported):
         assert model["vocab_size"] % model["make_vocab_size_divisible_by"] == 0  # no padding rows at TP=1
         assert recipe["checkpoint"]["pretrained_checkpoint"] == str(folder.resolve())
         assert model["add_qkv_bias"] == (name == "qwen2")
-        assert model["share_embeddings_and_output_weights"] == (name in ("qwen2", "gemma3_text"))
+        assert model["share_embeddings_and_output_weights"] == (name in ("qwen2", "gemma3_text", "gemma2"))
         assert model["rope_scaling"] == (name == "llama")
         assert model["qk_layernorm"] == (name in ("qwen3", "qwen3_moe", "olmoe", "gemma3_text"))
         assert model.get("num_moe_experts") == (4 if name in MOE else None)
@@ -207,6 +212,9 @@ def test_import_writes_a_checkpoint_and_recipe_in_the_project_layout(imported):
     assert (gemma["rotary_base"], gemma["local_rotary_base"], gemma["seq_len_interpolation_factor"]) == (
         1000000, 10000, 8.0)
     assert gemma["softmax_scale"] == 24 ** -0.5 and gemma["activation_func"] == "fast_gelu"
+    gemma2 = yaml.safe_load((imported["gemma2"] / "recipe.yaml").read_text())["model"]
+    assert (gemma2["attn_logit_softcapping"], gemma2["final_logit_softcapping"]) == (0.05, 3.0)
+    assert (gemma2["local_rotary_base"], gemma2["window_attn_skip_freq"]) == (None, [1, 0])
 
 
 @pytest.mark.slow
@@ -224,6 +232,7 @@ def test_round_trip_gives_identical_tensors(name, work, hf_dirs, imported, token
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name, layout", [("qwen2", "tp2"), ("phi3", "tp2"), ("olmoe", "tp2"), ("gemma3_text", "tp2"),
+                                          ("gemma2", "tp2"),
                                           *((name, "ep2") for name in MOE)])
 def test_export_reads_a_checkpoint_saved_with_tensor_or_expert_parallelism(name, layout, work, hf_dirs, mcore_logits):
     """Saved at TP=2, every tensor is split in two chunks; at EP=2, each rank wrote half of the experts.

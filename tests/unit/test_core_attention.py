@@ -145,14 +145,28 @@ def test_off_by_one_is_a_zero_sink():
 
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("with_sinks", [False, True])
-def test_flex_path_matches_the_cpu_path(window, with_sinks):
+@pytest.mark.parametrize("softcap", [None, 0.5])
+def test_flex_path_matches_the_cpu_path(window, with_sinks, softcap):
     q, k, v = (t.detach().permute(1, 2, 0, 3) for t in inputs())
     documents = document_ids()
     sinks = torch.randn(HEADS) if with_sinks else None
     tokens = MaskInputs(SEQ, SEQ, torch.device("cpu"), documents, documents)
-    dense = kernels.dense(q, k, v, build_mask(tokens, window, flex=False), 0.25, sinks, 0.0)
-    flex = kernels.flex(q, k, v, build_mask(tokens, window, flex=True), 0.25, sinks)
+    dense = kernels.dense(q, k, v, build_mask(tokens, window, flex=False), 0.25, sinks, 0.0, softcap)
+    flex = kernels.flex(q, k, v, build_mask(tokens, window, flex=True), 0.25, sinks, softcap)
     torch.testing.assert_close(flex, dense, rtol=1e-5, atol=1e-5)
+
+
+def test_soft_capped_scores_follow_the_formula():
+    """Gemma 2: each scaled score s becomes c * tanh(s / c) before the causal mask and the softmax."""
+    qkv = inputs()
+    ours = attention(attn_logit_softcapping=0.5)(*qkv)
+    q, k, v = (t.detach().permute(1, 2, 0, 3) for t in qkv)
+    k, v = (t.repeat_interleave(HEADS // GROUPS, dim=1) for t in (k, v))
+    scores = 0.5 * torch.tanh(q @ k.transpose(-2, -1) / DIM ** 0.5 / 0.5)
+    scores = scores.masked_fill(~torch.ones(SEQ, SEQ, dtype=torch.bool).tril(), float("-inf"))
+    expected = (scores.softmax(-1) @ v).permute(2, 0, 1, 3).reshape(SEQ, 2, HEADS * DIM)
+    torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(ours, attention()(*qkv), atol=1e-2)  # the cap changed the result
 
 
 def test_a_window_right_of_the_query_is_refused():

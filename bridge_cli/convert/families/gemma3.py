@@ -15,6 +15,9 @@
   the global layers' linear scaling (the 4B-27B models' factor 8) is megatron-core's
   ``seq_len_interpolation_factor``.
 
+``attn_logit_softcapping`` and ``final_logit_softcapping`` (null in Gemma 3, set in Gemma 2) are the
+model fields of the same names.
+
 config.json is read in transformers 4.x's keys (``rope_theta``, ``rope_local_base_freq``,
 ``rope_scaling``, ``sliding_window_pattern``) and 5.x's (``rope_parameters`` per layer type), and
 written in 4.x's, which both load.
@@ -42,12 +45,18 @@ class Gemma3(LlamaLike):
     architecture = "Gemma3ForCausalLM"
     models = ("Gemma 3 text (Gemma3ForCausalLM); sliding-window and global layers with their own RoPE bases, "
               "1 + w RMSNorms, post-attention/feedforward norms, scaled embeddings")
-    limits = ("refuses logit soft-capping, bidirectional attention, attention_bias and RoPE scalings but "
-              "linear (global layers)")
+    limits = "refuses bidirectional attention, attention_bias and RoPE scalings but linear (global layers)"
     fixed = {**{key: value for key, value in LLAMA_STYLE.items()
-                if key not in ("seq_len_interpolation_factor", "local_rotary_base", "softmax_scale", "window_size")},
+                if key not in ("seq_len_interpolation_factor", "local_rotary_base", "softmax_scale", "window_size",
+                               "attn_logit_softcapping", "final_logit_softcapping")},
              "activation_func": "fast_gelu", "qk_layernorm": True, "layernorm_zero_centered_gamma": True,
              "post_sublayer_norm": True, "scale_embeddings": True, "add_qkv_bias": False, "rope_scaling": False}
+
+    softcap_defaults = {"attn_logit_softcapping": None, "final_logit_softcapping": None}
+    """Each soft cap where config.json leaves it out: transformers' default for the family."""
+
+    window_pattern = 6
+    """Without ``layer_types``, every ``sliding_window_pattern``-th layer is global (this default where unset)."""
 
     # config.json -> model fields
 
@@ -55,8 +64,9 @@ class Gemma3(LlamaLike):
         fields = {**super().model_fields(hf, where, seq_length),
                   "qk_layernorm": True, "layernorm_zero_centered_gamma": True, "post_sublayer_norm": True,
                   "scale_embeddings": True, "softmax_scale": float(hf.get("query_pre_attn_scalar", 256)) ** -0.5,
-                  "share_embeddings_and_output_weights": bool(hf.get("tie_word_embeddings", True))}
-        layers = _layer_types(hf, fields["num_layers"], where)
+                  "share_embeddings_and_output_weights": bool(hf.get("tie_word_embeddings", True)),
+                  **{key: _soft_cap(hf.get(key, default), key, where) for key, default in self.softcap_defaults.items()}}
+        layers = _layer_types(hf, fields["num_layers"], where, self.window_pattern)
         if "sliding_attention" in layers:
             window = hf.get("sliding_window")
             if not isinstance(window, int) or window < 1:
@@ -83,16 +93,12 @@ class Gemma3(LlamaLike):
         if sliding.get("rope_type", sliding.get("type", "default")) != "default":
             unsupported(where, f"RoPE scaling {sliding.get('rope_type', sliding.get('type'))!r} in the sliding-window "
                                "layers: megatron-core's rotary embedding of those layers is unscaled")
-        return {"rotary_base": _integer_theta(full["rope_theta"], "rope_theta", where),
-                "local_rotary_base": _integer_theta(sliding["rope_theta"], "rope_local_base_freq", where),
+        return {"rotary_base": integer_theta(full["rope_theta"], "rope_theta", where),
+                "local_rotary_base": integer_theta(sliding["rope_theta"], "rope_local_base_freq", where),
                 "seq_len_interpolation_factor": None if factor is None else float(factor),
                 "rope_scaling": False, "rope_scaling_factor": 8.0}
 
     def check(self, hf: Mapping[str, Any], where: Path) -> None:
-        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
-            if hf.get(key) is not None:
-                unsupported(where, f"{key} {hf[key]!r}: megatron-core's attention and output layer do not soft-cap "
-                                   "logits")
         if hf.get("use_bidirectional_attention"):
             unsupported(where, "use_bidirectional_attention: bridge trains causal language models")
         if hf.get("attention_bias"):
@@ -119,8 +125,8 @@ class Gemma3(LlamaLike):
             "rope_local_base_freq": float(model["rotary_base"] if local_base is None else local_base),
             "rope_scaling": None if factor is None else {"rope_type": "linear", "factor": float(factor)},
             "attention_bias": False,
-            "attn_logit_softcapping": None,
-            "final_logit_softcapping": None,
+            "attn_logit_softcapping": model["attn_logit_softcapping"],
+            "final_logit_softcapping": model["final_logit_softcapping"],
         }
 
     # tensors
@@ -135,11 +141,11 @@ class Gemma3(LlamaLike):
                 Pair(m + "mlp_bda.norm.weight", ((p + "post_feedforward_layernorm.weight", (h,)),))]
 
 
-def _layer_types(hf: Mapping[str, Any], count: int, where: Path) -> list[str]:
+def _layer_types(hf: Mapping[str, Any], count: int, where: Path, pattern: int) -> list[str]:
     """Each layer's kind: config.json's ``layer_types``, else all but every ``sliding_window_pattern``-th windowed."""
     layers = hf.get("layer_types")
     if layers is None:
-        pattern = hf.get("sliding_window_pattern", 6)
+        pattern = hf.get("sliding_window_pattern", pattern)
         layers = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(count)]
     if not isinstance(layers, list) or len(layers) != count or any(kind not in LAYER_TYPES for kind in layers):
         unsupported(where, f"layer_types {layers!r}: one of {', '.join(LAYER_TYPES)} per layer "
@@ -159,7 +165,13 @@ def _rope_parameters(hf: Mapping[str, Any]) -> tuple[dict, dict]:
     return full, {"rope_theta": hf.get("rope_local_base_freq", 10_000.0)}
 
 
-def _integer_theta(theta: Any, key: str, where: Path) -> int:
+def _soft_cap(value: Any, key: str, where: Path) -> Optional[float]:
+    if value is not None and (not isinstance(value, (int, float)) or value <= 0):
+        unsupported(where, f"{key} {value!r}: a positive number (or null) is needed")
+    return None if value is None else float(value)
+
+
+def integer_theta(theta: Any, key: str, where: Path) -> int:
     if not isinstance(theta, (int, float)) or theta != int(theta):
         unsupported(where, f"{key} {theta!r}: megatron-core's RoPE base is an integer")
     return int(theta)

@@ -22,6 +22,7 @@ LLAMA_STYLE = {
     "multi_latent_attention": False, "layernorm_zero_centered_gamma": False,
     "apply_residual_connection_post_layernorm": False, "post_sublayer_norm": False, "scale_embeddings": False,
     "local_rotary_base": None, "softmax_scale": None, "softmax_type": "vanilla", "window_size": None,
+    "attn_logit_softcapping": None, "final_logit_softcapping": None,
 }
 """The model fields every family here fixes (the shapes aside), unless it overrides one."""
 

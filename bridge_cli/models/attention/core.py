@@ -8,7 +8,8 @@ Two paths, chosen per call:
   (dropout draws from the default generator) and does no host synchronisation.
 - **masked**: rows of several documents (:class:`~bridge_cli.models.attention.masks.DocumentParams`
   from the training step, or megatron-core's THD ``PackedSeqParams`` with ``cu_seqlens``, or a
-  dense mask from the dataset), a sliding window in this layer, or attention sinks. FlexAttention
+  dense mask from the dataset), a sliding window in this layer, attention sinks, or soft-capped
+  scores (``model.attn_logit_softcapping``). FlexAttention
   with a block mask on the GPU; SDPA with a boolean mask (the explicit softmax with sinks) on the
   CPU and wherever attention dropout is on, which FlexAttention lacks. Same numbers on both.
 
@@ -76,6 +77,7 @@ class TorchAttention(MegatronModule):
         self.cp_group = _context_parallel_group(pg_collection, config)
         self.cp_size = 1 if self.cp_group is None else torch.distributed.get_world_size(self.cp_group)
         self.softmax_type = getattr(config, "softmax_type", "vanilla")
+        self.softcap = getattr(config, "attn_logit_softcapping", None)
         self._init_sinks(config)
 
     def _init_sinks(self, config) -> None:
@@ -117,7 +119,8 @@ class TorchAttention(MegatronModule):
             key, value = (gather_sequence(t, self.cp_group) for t in (key, value))
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         mask_type = attn_mask_type or self.attn_mask_type
-        if packed_seq_params is None and self.window is None and self.softmax_offset is None and self.cp_size == 1:
+        if (packed_seq_params is None and self.window is None and self.softmax_offset is None and self.softcap is None
+                and self.cp_size == 1):
             out = self._sdpa(q, k, v, mask_type, attention_mask)
         else:
             out = self._masked(q, k, v, mask_type, attention_mask, packed_seq_params, thd)
@@ -147,7 +150,7 @@ class TorchAttention(MegatronModule):
             )
 
     def _masked(self, q, k, v, mask_type, attention_mask, packed_seq_params, thd: bool) -> torch.Tensor:
-        """Documents, a window or sinks: FlexAttention on the GPU, an explicit mask elsewhere."""
+        """Documents, a window, sinks or a soft cap: FlexAttention on the GPU, an explicit mask elsewhere."""
         if mask_type not in _CAUSAL:
             raise RuntimeUnavailable(f"the torch layer spec's attention supports documents, sliding windows and "
                                      f"sinks in causal layers only, not attn_mask_type={mask_type.name}.")
@@ -169,8 +172,8 @@ class TorchAttention(MegatronModule):
             cp_rank = torch.distributed.get_rank(self.cp_group) if self.cp_size > 1 else 0
             mask = shape_mask(self.window, seq, q.device, flex, self.cp_size, cp_rank)
         if flex:
-            return kernels.flex(q, k, v, mask, self.softmax_scale, self.softmax_offset)
-        return kernels.dense(q, k, v, mask, self.softmax_scale, self.softmax_offset, dropout_p)
+            return kernels.flex(q, k, v, mask, self.softmax_scale, self.softmax_offset, self.softcap)
+        return kernels.dense(q, k, v, mask, self.softmax_scale, self.softmax_offset, dropout_p, self.softcap)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
         """The learnable sinks, split over tensor-parallel ranks by head, as megatron-core shards them."""
