@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from bridge_cli.logging.console import ConsoleLog, IntervalStats
-from bridge_cli.logging.moe_metrics import moe_metrics_for
+from bridge_cli.logging.aux_losses import auxiliary_losses_for
 from bridge_cli.logging.reports import (
     calc_params_l2_norm,
     report_l2_norm_grad,
@@ -76,7 +76,7 @@ class TrainingLogger:
         self.first_iter, self.run_started = ts.step, time.time()
         self.history_wct: list[float] = [self.run_started]
         self.timers = global_state.timers
-        self.moe = moe_metrics_for(self.cfg.model)
+        self.aux_losses = auxiliary_losses_for(self.cfg.model)
         self.stragglers = None
         if global_state.straggler_timer is not None:
             from bridge_cli.logging.stragglers import StragglerReport
@@ -109,10 +109,11 @@ class TrainingLogger:
         if self.stragglers is not None:
             self.stragglers.after_step(ts.step, flops)
         collected = self._collect(log_step, write_step)
-        if self.moe is not None:
+        if self.aux_losses:
             from megatron.core.num_microbatches_calculator import get_num_microbatches
 
-            self.moe.after_step(ts.step, get_num_microbatches(), self.writer if self.writer.active and write_step else None)
+            for losses in self.aux_losses:
+                losses.after_step(ts.step, get_num_microbatches(), self.writer if self.writer.active and write_step else None)
         if self.writer.active and write_step:
             self._write_scalars(loss_dict, grad_norm, num_zeros, params_norm, optimizer, batch_size, flops, collected)
         if not log_step:
@@ -121,8 +122,8 @@ class TrainingLogger:
         extra = ()
         if "energy" in collected:
             extra = (f"energy/gpu {collected['iter-energy/gpu']:.1f} J/iter", f"power/gpu {collected['power/gpu']:.0f} W")
-        if self.moe is not None:
-            extra += self.moe.line_fields(self.stats.iterations)
+        for losses in self.aux_losses:
+            extra += losses.line_fields(self.stats.iterations)
         loss = self.console.training_line(
             ts.step, self.stats, ts.consumed_train_samples, optimizer.param_groups[0]["lr"], grad_norm,
             float(optimizer.get_loss_scale()), batch_size * cfg.model.seq_length, flops, dist.get_world_size(),

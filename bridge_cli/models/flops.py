@@ -11,7 +11,9 @@ def num_floating_point_operations(model_cfg, batch_size: int) -> float:
     (half the score matrix), and the output layer. An MoE layer counts only what a token
     activates: top-k routed experts of ``moe_ffn_hidden_size`` plus the shared experts;
     ``moe_layer_freq`` says which layers are MoE. The router's small GEMM is not counted, as in
-    Megatron-LM.
+    Megatron-LM. Each multi-token-prediction layer (``mtp_num_layers``) counts as one more layer of the
+    decoder's last kind, plus its projection of the two joined hidden states (2h to h) and one more
+    pass through the output layer.
     """
     m = model_cfg
     s, h, layers = m.seq_length, m.hidden_size, m.num_layers
@@ -20,7 +22,10 @@ def num_floating_point_operations(model_cfg, batch_size: int) -> float:
     moe_layers = _moe_layer_count(m)
     mlp = (layers - moe_layers) * dense_mlp + moe_layers * _moe_mlp_per_token(m, gated)
     projections, attention = _attention_per_token(m)
-    per_token = 6 * (layers * (projections + attention * s) + mlp + h * m.padded_vocab_size)
+    mtp = m.mtp_num_layers or 0
+    if mtp:
+        mlp += mtp * (_moe_mlp_per_token(m, gated) if _last_layer_is_moe(m) else dense_mlp) + mtp * 2 * h * h
+    per_token = 6 * ((layers + mtp) * (projections + attention * s) + mlp + (1 + mtp) * h * m.padded_vocab_size)
     return float(per_token * s * batch_size)
 
 
@@ -29,6 +34,13 @@ def _moe_layer_count(m) -> int:
         return 0
     freq = m.moe_layer_freq
     return sum(freq) if isinstance(freq, list) else sum(1 for i in range(m.num_layers) if i % freq == 0)
+
+
+def _last_layer_is_moe(m) -> bool:
+    if not m.num_moe_experts:
+        return False
+    freq = m.moe_layer_freq
+    return bool(freq[-1]) if isinstance(freq, list) else (m.num_layers - 1) % freq == 0
 
 
 def _moe_mlp_per_token(m, gated: float) -> float:

@@ -135,9 +135,12 @@ class GPTModelProvider(MLATransformerConfig):
             # The spec's own FP8 linears do it; megatron-core's fp8 code paths are Transformer Engine's.
             config = copy.copy(self)
             config.fp8 = None
+        layers = layer_spec(spec, self, vp_stage)
+        if self.mtp_num_layers:
+            kwargs["mtp_block_spec"] = _mtp_block_spec(self, layers, spec == "te", vp_stage)
         model = GPTModel(
             config=config,
-            transformer_layer_spec=layer_spec(spec, self, vp_stage),
+            transformer_layer_spec=layers,
             vocab_size=self.padded_vocab_size,
             max_sequence_length=self.seq_length,
             pre_process=pre_process,
@@ -158,3 +161,12 @@ class GPTModelProvider(MLATransformerConfig):
 
             keep_layers_in_bf16(model, self)
         return model
+
+
+def _mtp_block_spec(config, layers, use_te: bool, vp_stage: Optional[int]):
+    """Multi-token prediction (``model.mtp_num_layers``): megatron-core's MTP block, its layers built like
+    the decoder's last (as Megatron-LM's pretrain_gpt builds them); None on stages that hold no MTP layer."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+    last = layers.layer_specs[-1] if hasattr(layers, "layer_specs") else layers
+    return get_gpt_mtp_block_spec(config, last, use_transformer_engine=use_te, vp_stage=vp_stage)

@@ -25,3 +25,14 @@ def test_flops_formula_matches_hand_computation(recipe):
     cfg = ConfigContainer.from_yaml_dict(compose(recipe, []))
     tokens = cfg.model.seq_length * 2
     assert num_floating_point_operations(cfg.model, batch_size=2) == HAND_FLOPS_PER_TOKEN[recipe] * tokens
+
+
+def test_each_mtp_layer_adds_a_layer_its_projection_and_an_output_layer_pass():
+    # llama1b per token: one more layer 6*(2048*(2048+2*512) + 2048*2048 + 3*2048*8192) + 6*2048*4096,
+    # the 2h -> h projection 6*2*2048*2048, and the output layer again 6*2048*128256
+    cfg = ConfigContainer.from_yaml_dict(compose("llama1b", ["model.mtp_num_layers=2"]))
+    per_mtp_layer = 6 * (2048 * (2048 + 2 * 512) + 2048 * 2048 + 3 * 2048 * 8192) + 6 * 2048 * 4096 \
+        + 6 * 2 * 2048 * 2048 + 6 * 2048 * 128256
+    tokens = cfg.model.seq_length * 2
+    expected = (HAND_FLOPS_PER_TOKEN["llama1b"] + 2 * per_mtp_layer) * tokens
+    assert num_floating_point_operations(cfg.model, batch_size=2) == expected

@@ -43,8 +43,9 @@ def test_moe_flops_count_routed_top_k_and_shared_experts_and_dense_layers():
     assert flops_per_token("qwen3_30b_a3b") == qwen3
     # MLA: q = q_lora (h + heads (qk + rope) + 1), kv = kv_lora (h + heads (qk + v) + 1) + h rope, out heads v h;
     # attention heads (qk + rope + v) / 2 per position; 3 dense layers of FFN 18432, 58 MoE layers of
-    # 8 routed + 1 shared expert of FFN 2048.
+    # 8 routed + 1 shared expert of FFN 2048; its one MTP layer is an MoE layer more, a 2h -> h
+    # projection and a second pass through the output layer.
     mla = 1536 * (7168 + 128 * 192 + 1) + 512 * (7168 + 128 * 256 + 1) + 7168 * 64 + 128 * 128 * 7168
-    deepseek = 6 * (61 * (mla + 128 * 320 / 2 * 4096) + 3 * 3 * 7168 * 18432 + 58 * 3 * 7168 * 2048 * 9
-                    + 7168 * 129280)
+    deepseek = 6 * (62 * (mla + 128 * 320 / 2 * 4096) + 3 * 3 * 7168 * 18432 + 59 * 3 * 7168 * 2048 * 9
+                    + 2 * 7168 * 7168 + 2 * 7168 * 129280)
     assert flops_per_token("deepseek_v3") == pytest.approx(deepseek, rel=1e-12)

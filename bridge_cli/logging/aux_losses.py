@@ -1,17 +1,19 @@
-"""The MoE auxiliary losses on the log line and in the metric writers, as Megatron-LM's training_log does.
+"""The auxiliary losses (MoE routers', multi-token prediction's) on the log line and in the metric
+writers, as Megatron-LM's training_log does.
 
 megatron-core's routers record each MoE layer's load-balancing loss (``load_balancing_loss``,
 ``seq_load_balancing_loss``, ``global_load_balancing_loss``) and ``z_loss`` in a tracker summed
 over the step's micro-batches. ``track_moe_metrics`` (megatron-core 0.16 to 0.19) reduces it over
 the pipeline and data-parallel ranks, writes the mean over MoE layers (and with
 ``model.moe_per_layer_logging`` each layer, ``moe/<name>_layer_<i>``) to a SummaryWriter-shaped
-writer, adds it to a running dict, and clears the tracker. It is a collective: every rank calls
-:meth:`MoEMetrics.after_step` every step.
+writer, adds it to a running dict, and clears the tracker. Multi-token prediction
+(``model.mtp_num_layers``) records each MTP layer's loss (``mtp_<k> loss``, averaged over the
+data-parallel ranks of the last pipeline stage) in a tracker of its own, which
+``MTPLossLoggingHelper.track_mtp_metrics`` reads the same way. Both are collectives: every rank
+calls ``after_step`` every step.
 """
 
 from __future__ import annotations
-
-from typing import Optional
 
 import torch
 
@@ -26,11 +28,24 @@ class _ScalarSink:
         self.writer.add_scalars({name: float(value)}, step)
 
 
-class MoEMetrics:
+class _Totals:
+    """Running totals of tracked losses between two log lines."""
+
+    def __init__(self):
+        self.totals: dict[str, torch.Tensor] = {}
+
+    def line_fields(self, iterations: int) -> tuple[str, ...]:
+        """``name value`` per tracked loss, averaged over the ``iterations`` since the last line; resets."""
+        fields = tuple(f"{name} {float(total) / iterations:.6f}" for name, total in self.totals.items())
+        self.totals = {}
+        return fields
+
+
+class MoEMetrics(_Totals):
     def __init__(self, model_cfg):
+        super().__init__()
         self.cfg = model_cfg
         self.track_names = tracked_losses(model_cfg)
-        self.totals: dict[str, torch.Tensor] = {}
 
     def after_step(self, step: int, num_microbatches: int, writer=None) -> None:
         """Fold this step's MoE losses into the interval totals; ``writer`` (on the writing rank, at
@@ -44,11 +59,15 @@ class MoEMetrics:
             force_initialize=True, track_names=self.track_names, num_layers=m.num_layers,
             moe_layer_freq=m.moe_layer_freq, mtp_num_layers=m.mtp_num_layers)
 
-    def line_fields(self, iterations: int) -> tuple[str, ...]:
-        """``name value`` per tracked loss, averaged over the ``iterations`` since the last line; resets."""
-        fields = tuple(f"{name} {float(total) / iterations:.6f}" for name, total in self.totals.items())
-        self.totals = {}
-        return fields
+
+class MTPMetrics(_Totals):
+    def after_step(self, step: int, num_microbatches: int, writer=None) -> None:
+        """Fold this step's MTP losses into the interval totals (and ``writer``, as MoEMetrics)."""
+        from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+        MTPLossLoggingHelper.track_mtp_metrics(loss_scale=1.0 / num_microbatches, iteration=step,
+                                               writer=_ScalarSink(writer) if writer else None,
+                                               total_loss_dict=self.totals)
 
 
 def tracked_losses(model_cfg) -> list[str]:
@@ -62,6 +81,7 @@ def tracked_losses(model_cfg) -> list[str]:
     return names
 
 
-def moe_metrics_for(model_cfg) -> Optional[MoEMetrics]:
-    """A tracker reader for an MoE model, None for a dense one."""
-    return MoEMetrics(model_cfg) if model_cfg.num_moe_experts else None
+def auxiliary_losses_for(model_cfg) -> list[_Totals]:
+    """The tracker readers of this model: its MoE losses, its MTP losses, both or none."""
+    return ([MoEMetrics(model_cfg)] if model_cfg.num_moe_experts else []) + (
+        [MTPMetrics()] if model_cfg.mtp_num_layers else [])
