@@ -95,10 +95,14 @@ class GroupedGemmExperts(MegatronModule):
         if self.config.moe_apply_probs_on_input:
             hidden = (probs.unsqueeze(-1) * hidden).to(hidden.dtype)
             probs = torch.ones_like(probs)
-        intermediate = grouped_linear(hidden, self.weight1, tokens_per_expert)
+        intermediate = self.project("linear_fc1", hidden, tokens_per_expert)
         intermediate = self._activation(intermediate)
         intermediate = (intermediate * probs.unsqueeze(-1)).to(hidden.dtype)
-        return grouped_linear(intermediate, self.weight2, tokens_per_expert), None
+        return self.project("linear_fc2", intermediate, tokens_per_expert), None
+
+    def project(self, linear: str, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """One projection (``linear_fc1`` or ``linear_fc2``) of every local expert over its tokens."""
+        return grouped_linear(x, self.weight1 if linear == "linear_fc1" else self.weight2, tokens_per_expert)
 
     def _activation(self, x: torch.Tensor) -> torch.Tensor:
         """megatron-core's MLP activation without bias fusion (the same numbers)."""

@@ -10,8 +10,9 @@ subclass that adds the adapter (as ``torch.nn.utils.parametrize`` does), so the 
 keep their checkpoint keys and the adapters' keys are ``<layer>.adapter.linear_in.weight`` and
 ``<layer>.adapter.linear_out.weight``.
 
-Mixture-of-experts: every routed expert (megatron-core's SequentialMLP) and shared expert gets
-its own adapters on linear_fc1/linear_fc2; the router stays frozen.
+Mixture-of-experts: every routed expert (megatron-core's SequentialMLP, or the grouped-GEMM experts,
+:mod:`.lora_experts`) and shared expert gets its own adapters on linear_fc1/linear_fc2; the router
+stays frozen.
 
 Tensor parallel: an adapter is split the way its layer is. On a column-parallel layer
 (linear_qkv, linear_fc1) A is replicated and B split by output rows like W; the grad of A's
@@ -67,7 +68,7 @@ class LoRAAdapter(torch.nn.Module):
         self.column_parallel, self.swiglu = column_parallel, swiglu
         self.tp_group = tp_group
         with torch.no_grad():
-            full_a = _init_a(cfg.dim, in_full, cfg.lora_A_init_method, seed)
+            full_a = draw_a(cfg.dim, in_full, cfg.lora_A_init_method, seed)
             if not column_parallel:
                 full_a = full_a[:, tp_rank * in_local:(tp_rank + 1) * in_local]
             self.linear_in.weight.copy_(full_a)
@@ -111,7 +112,8 @@ class LoRAAdapter(torch.nn.Module):
         return sharded
 
 
-def _init_a(dim: int, in_features: int, method: str, seed: int) -> torch.Tensor:
+def draw_a(dim: int, in_features: int, method: str, seed: int) -> torch.Tensor:
+    """A LoRA A matrix (``dim x in_features``), drawn from its own generator seeded with ``seed``."""
     weight = torch.empty(dim, in_features)
     generator = torch.Generator().manual_seed(seed)
     if method == "xavier":
@@ -175,7 +177,7 @@ def apply_lora(model_chunks: list, cfg: LoRAConfig, seed: int) -> ParameterCount
         chunk.requires_grad_(False)
         for layer in [m for m in chunk.modules() if isinstance(m, TransformerLayer)]:
             for name, module in list(layer.named_modules()):
-                _check_experts(module, name, layer, cfg)
+                _adapt_experts(module, name, layer, cfg, seed)
                 if name.rsplit(".", 1)[-1] not in cfg.target_modules:
                     continue
                 if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
@@ -191,26 +193,27 @@ def apply_lora(model_chunks: list, cfg: LoRAConfig, seed: int) -> ParameterCount
     return ParameterCounts(sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params))
 
 
-def _check_experts(module, name: str, layer, cfg: LoRAConfig) -> None:
-    """MoE layers: the routed experts of megatron-core's SequentialMLP (one MLP per expert) and the
-    shared experts take adapters like any MLP; grouped experts have no per-expert linear layer, and
-    adapters on experts split over expert-parallel ranks would need the expert groups' sharding."""
+def _adapt_experts(module, name: str, layer, cfg: LoRAConfig, seed: int) -> None:
+    """MoE layers: grouped-GEMM experts get their adapters here (:mod:`.lora_experts`); the routed
+    experts of megatron-core's SequentialMLP (one MLP per expert) and the shared experts take adapters
+    like any MLP, the routed ones only without expert parallelism (their adapters would need the
+    expert groups' sharding)."""
     from bridge_cli.models.moe_experts import GroupedGemmExperts
+    from bridge_cli.peft.lora_experts import add_grouped_adapter
 
     expert_targets = [t for t in cfg.target_modules if t in ("linear_fc1", "linear_fc2")]
     if not expert_targets or not name.endswith("mlp.experts"):
         return
-    config = layer.config
     if isinstance(module, GroupedGemmExperts):
-        raise RuntimeUnavailable(
-            f"peft=lora cannot adapt the grouped-GEMM experts of layer {layer.layer_number} "
-            f"(peft.target_modules has {', '.join(expert_targets)}). Set model.moe_grouped_gemm=false "
-            "(per-expert layers), or peft.target_modules=[linear_qkv,linear_proj].")
+        add_grouped_adapter(module, cfg, expert_targets, layer.layer_number, seed)
+        return
+    config = layer.config
     etp = config.expert_tensor_parallel_size or config.tensor_model_parallel_size
     if config.expert_model_parallel_size > 1 or etp != config.tensor_model_parallel_size:
         raise RuntimeUnavailable(
-            f"peft=lora on routed experts needs model.expert_model_parallel_size=1 and expert TP equal to TP "
-            f"(they are {config.expert_model_parallel_size} and {etp}). Change the layout, or set "
+            f"peft=lora on SequentialMLP experts needs model.expert_model_parallel_size=1 and expert TP equal to TP "
+            f"(they are {config.expert_model_parallel_size} and {etp}). Set model.moe_grouped_gemm=true (grouped "
+            "experts take adapters under expert parallelism), change the layout, or set "
             "peft.target_modules=[linear_qkv,linear_proj].")
 
 
@@ -226,10 +229,15 @@ def _check_layout(module, name: str, column: bool) -> None:
 
 def merge_lora(model_chunks: list) -> int:
     """Fold every adapter into its layer's weight (``W + (alpha / dim) B @ A``) and remove it; returns how many."""
+    from bridge_cli.peft.lora_experts import is_grouped_with_adapters, merge_grouped
+
     merged = 0
     for chunk in model_chunks:
         for module in list(chunk.modules()):
-            if isinstance(module, _LoRALayer):
+            if is_grouped_with_adapters(module):
+                merge_grouped(module)
+                merged += 1
+            elif isinstance(module, _LoRALayer):
                 with torch.no_grad():
                     module.weight.copy_((module.weight.float() + module.adapter.delta_weight()).to(module.weight.dtype))
                 del module.adapter

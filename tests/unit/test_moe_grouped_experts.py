@@ -97,3 +97,23 @@ def test_grouped_linear_handles_experts_without_tokens():
     counts = torch.tensor([2, 0, 3])
     out = grouped_linear(x, weight, counts)
     torch.testing.assert_close(out, torch.cat([x[:2] @ weight[0].T, x[2:] @ weight[2].T]))
+
+
+def test_lora_on_grouped_experts_merges_into_the_expert_weights(one_process):
+    from bridge_cli.config.peft_config import LoRAConfig
+    from bridge_cli.peft.lora import apply_lora, merge_lora
+
+    model = build(True)
+    apply_lora([model], LoRAConfig(target_modules=["linear_fc1", "linear_fc2"]), seed=0)
+    adapter = experts(model).adapter
+    with torch.no_grad():  # B starts at zero: give the adapters an effect to fold
+        for name in ("linear_fc1_out", "linear_fc2_out"):
+            getattr(adapter, name).normal_(0, 0.5, generator=torch.Generator().manual_seed(2))
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    positions = torch.arange(SEQ).expand(BATCH, SEQ)
+    with torch.no_grad():
+        with_adapters = model(tokens, positions, None)
+        assert not torch.allclose(with_adapters, build(True)(tokens, positions, None), atol=1e-3)
+        merge_lora([model])
+        assert type(experts(model)) is GroupedGemmExperts and not hasattr(experts(model), "adapter")
+        torch.testing.assert_close(model(tokens, positions, None), with_adapters, rtol=1e-5, atol=1e-5)
