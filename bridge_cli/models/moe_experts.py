@@ -183,7 +183,7 @@ class GroupedGemmExperts(MegatronModule):
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
     """Rows of ``x`` grouped by expert (``tokens_per_expert[e]`` rows for expert e) times each
     expert's ``weight[e].T``: one grouped GEMM where the device has it, else a loop of GEMMs."""
-    if _grouped_mm_supported(x):
+    if _grouped_mm_supported(x, weight):
         offsets = torch.cumsum(tokens_per_expert.to(device=x.device), dim=0, dtype=torch.int32)
         return torch._grouped_mm(x, weight.transpose(1, 2), offs=offsets)
     counts = tokens_per_expert.tolist() if torch.is_tensor(tokens_per_expert) else list(tokens_per_expert)
@@ -191,8 +191,11 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: tor
     return torch.cat([piece @ weight[e].t() for e, piece in enumerate(pieces)], dim=0)
 
 
-def _grouped_mm_supported(x: torch.Tensor) -> bool:
-    """torch._grouped_mm's bf16 kernels: CUDA, compute capability 9.0 or newer, torch >= 2.8."""
+def _grouped_mm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """torch._grouped_mm's bf16 kernels: CUDA, compute capability 9.0 or newer, torch >= 2.8, rows of
+    16-byte multiples (a LoRA rank of 4 is not)."""
     if not (x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")):
+        return False
+    if any(size % 8 for size in weight.shape[1:]):
         return False
     return torch.cuda.get_device_capability(x.device)[0] >= 9
