@@ -17,7 +17,7 @@ def test_grouped_mm_equals_the_per_expert_loop_forward_and_backward():
     x = torch.randn(1000, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     weight = torch.randn(8, 384, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     counts = torch.tensor([300, 0, 17, 200, 1, 182, 150, 150], device="cuda")
-    assert _grouped_mm_supported(x), "needs torch._grouped_mm and a Hopper or newer GPU"
+    assert _grouped_mm_supported(x, weight), "needs torch._grouped_mm and a Hopper or newer GPU"
     out = grouped_linear(x, weight, counts)
     out.float().square().sum().backward()
     grads = x.grad.clone(), weight.grad.clone()
