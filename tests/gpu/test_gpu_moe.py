@@ -36,3 +36,17 @@ def test_tiny_moe_trains_with_grouped_experts_in_bf16():
     assert result.returncode == 0, result.stderr[-3000:]
     curve = losses(result.stdout)
     assert curve[-1] < 0.7 * curve[0], curve
+
+
+def test_lora_on_grouped_experts_fine_tunes_in_bf16(tmp_path):
+    """The adapters' grouped GEMMs (rank 32 and rank 4, which falls back to the expert loop) on torch._grouped_mm."""
+    run = ["recipe=tiny_moe", "mixed_precision=bf16_mixed", "model.moe_grouped_gemm=true", "train.eval_iters=0",
+           "logger.log_interval=5"]
+    base = tmp_path / "base"
+    assert bridge("pretrain", *run, "train.train_iters=5", f"checkpoint.save={base}").returncode == 0
+    for rank in (32, 4):
+        result = bridge("finetune", *run, "peft=lora", f"peft.dim={rank}", "train.train_iters=20",
+                        f"checkpoint.pretrained_checkpoint={base}")
+        assert result.returncode == 0, result.stderr[-3000:]
+        curve = losses(result.stdout)
+        assert curve[-1] < curve[0], curve
