@@ -90,12 +90,14 @@ def evaluate(overrides: Overrides = None, recipes_dir: RecipesDir = None, dry_ru
              world_size: WorldSize = None, device: DeviceOption = None,
              output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Also write the results as JSON.")] = None,
              debug: Debug = False) -> None:
-    """Validation and test loss and perplexity of a checkpoint: `bridge eval recipe=tiny checkpoint.load=DIR`."""
+    """Validation and test loss and perplexity of a checkpoint: `bridge eval recipe=tiny checkpoint.load=DIR` (DIR:
+    a checkpoint, or a Hugging Face model folder)."""
     from bridge_cli.runtime.output_paths import check_output_file
 
     _check_device_is_for_dry_run(dry_run, device)
     check_output_file("--output", output)
-    recipe, container = load_config(overrides, recipes_dir, world_size, runs_model=not dry_run, device=device)
+    recipe, container = load_config(overrides, recipes_dir, world_size, runs_model=not dry_run, device=device,
+                                    hf_load=True)
     if dry_run:
         if is_rank_zero():
             print_dry_run(recipe, container)

@@ -34,7 +34,8 @@ def is_rank_zero() -> bool:
 
 
 def load_config(overrides: list[str] | None, recipes_dir: list[Path] | None, world_size: int | None = None,
-                runs_model: bool = True, device: Optional[Device | str] = None, resume: Optional[str] = None):
+                runs_model: bool = True, device: Optional[Device | str] = None, resume: Optional[str] = None,
+                hf_load: bool = False):
     """Compose, convert and validate one run's config (the recipe defaults to the tiny one); returns
     (recipe, ConfigContainer) with its derived values.
 
@@ -42,6 +43,8 @@ def load_config(overrides: list[str] | None, recipes_dir: list[Path] | None, wor
     config.json, between the recipe and the command line (:mod:`bridge_cli.convert.hf_training`).
     ``resume='auto'`` points ``checkpoint.load`` at ``checkpoint.save`` when that holds a checkpoint
     and ``load`` is unset, while the config is built (before validation, which writes nothing).
+    ``hf_load`` (evaluation) reads a ``checkpoint.load`` that is a Hugging Face folder as
+    ``checkpoint.pretrained_checkpoint``: the weights to score, converted in memory.
     """
     from bridge_cli.runtime.mcore_import import import_megatron_core
 
@@ -57,6 +60,9 @@ def load_config(overrides: list[str] | None, recipes_dir: list[Path] | None, wor
         else:
             rest.append(item)
     composed = compose(recipe, rest, recipes_dir)
+    if hf_load and hf_training.is_hf_folder(composed.checkpoint.load):
+        rest = [*rest, f"checkpoint.pretrained_checkpoint={composed.checkpoint.load}", "checkpoint.load=null"]
+        composed = compose(recipe, rest, recipes_dir)
     pretrained = composed.checkpoint.pretrained_checkpoint
     if hf_training.is_hf_folder(pretrained):
         # config.json's model goes between the recipe and the command line (see convert.hf_training)

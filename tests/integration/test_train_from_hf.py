@@ -8,6 +8,7 @@ contradicts the weights' shape is refused.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import tempfile
@@ -67,6 +68,20 @@ def test_training_from_a_hugging_face_folder_equals_training_from_its_import(hf_
     for curve in (losses(direct.stdout), tp2_run[0]):
         assert curve == pytest.approx(reference, abs=1e-5)
     assert not list(Path(tempfile.gettempdir()).glob("bridge-hf-import-*"))  # the temporary conversion is gone
+
+
+@pytest.mark.slow
+def test_eval_scores_a_hugging_face_folder_as_its_import(hf_dir, tmp_path):
+    imported = tmp_path / "imported"
+    ok(bridge("convert-ckpt", "import-hf", str(hf_dir), str(imported)))
+    scores = []
+    for args in ([f"recipe={imported / 'recipe.yaml'}", f"checkpoint.load={imported}"],
+                 ["recipe=tiny", f"checkpoint.load={hf_dir}"],
+                 ["recipe=tiny", f"checkpoint.pretrained_checkpoint={hf_dir}"]):
+        output = tmp_path / f"eval{len(scores)}.json"
+        ok(bridge("eval", *args, "train.eval_iters=2", "model.seq_length=64", "--output", str(output)))
+        scores.append(json.loads(output.read_text())["splits"])
+    assert scores[1] == scores[0] == scores[2]
 
 
 @pytest.mark.slow
