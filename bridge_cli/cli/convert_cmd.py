@@ -68,7 +68,8 @@ def export_hf(
 
 @app.command("families")
 def families() -> None:
-    """List the Hugging Face families import-hf and export-hf convert, with their limits (one line each)."""
+    """List the Hugging Face families import-hf and export-hf convert, with their limits, and the model types
+    refused with why (one line each)."""
     from bridge_cli.convert.families import listing
 
     typer.echo("\n".join(listing()))

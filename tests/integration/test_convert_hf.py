@@ -391,5 +391,20 @@ def test_families_lists_every_family_with_its_limits(cli):
     result = cli("convert-ckpt", "families")
     assert result.exit_code == 0
     lines = result.stdout.splitlines()
-    assert [line.split()[0] for line in lines] == list(MODELS)
-    assert all("Limits: " in line for line in lines)
+    assert [line.split()[0] for line in lines] == [*MODELS, "gpt_oss", "deepseek_v3"]
+    assert all("Limits: " in line for line in lines[:len(MODELS)])
+    assert all("not converted: " in line for line in lines[len(MODELS):])
+
+
+def test_deepseek_v3_is_refused_saying_why(cli, tmp_path):
+    """Its multi-latent attention does not build in megatron-core without Transformer Engine, and conversion
+    runs without it; the refusal says so instead of converting approximately."""
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "deepseek_v3", "q_lora_rank": 32}))
+    result = cli("convert-ckpt", "import-hf", str(folder), str(tmp_path / "out"))
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    for fragment in ("model_type 'deepseek_v3' is not converted yet", "needs Transformer Engine",
+                     "q_a_layernorm/kv_a_layernorm", "Supported: llama"):
+        assert fragment in result.stderr, result.stderr
+    assert not (tmp_path / "out").exists()

@@ -41,6 +41,14 @@ REFUSED = {
                 "model.window_attn_skip_freq), but its YaRN RoPE (megatron-core's position_embedding_type=yarn) is "
                 "not a model.position_embedding_type bridge builds, and its experts' biases and interleaved gate/up "
                 "projections have no tensor mapping yet; bridge refuses rather than convert it approximately"),
+    "deepseek_v3": ("its multi-latent attention needs Transformer Engine in megatron-core, and conversion builds the "
+                    "model without it (one CPU process, torch layer spec): megatron-core's MLASelfAttention fails "
+                    "to build there (0.16 tests its projection against TE's TELinear, a placeholder when TE is "
+                    "absent), the local core attention takes no separate key and value head sizes (MLA's "
+                    "qk_head_dim + qk_pos_emb_head_dim vs v_head_dim), and the local spec has no module for the "
+                    "latent RMSNorms q_a_layernorm/kv_a_layernorm (TE fuses them into linear_q_up_proj and "
+                    "linear_kv_up_proj as layer_norm_weight); its routing, shared experts and first dense layers "
+                    "have megatron-core fields, so `bridge pretrain recipe=deepseek_v3` trains the shape with TE"),
 }
 """Hugging Face model types bridge knows and does not convert yet: why, for the refusal."""
 
@@ -84,6 +92,7 @@ def for_export(model: Mapping[str, Any], model_type: Optional[str], where: Path)
 
 
 def listing() -> list[str]:
-    """One line per family: model_type, what it covers, what it refuses."""
-    width = max(map(len, FAMILIES))
-    return [f"{name:<{width}}  {family.models}. Limits: {family.limits}." for name, family in FAMILIES.items()]
+    """One line per family: model_type, what it covers, what it refuses; then one per refused model_type, why."""
+    width = max(map(len, [*FAMILIES, *REFUSED]))
+    return [*(f"{name:<{width}}  {family.models}. Limits: {family.limits}." for name, family in FAMILIES.items()),
+            *(f"{name:<{width}}  not converted: {why}." for name, why in REFUSED.items())]
