@@ -19,28 +19,23 @@ def num_floating_point_operations(model_cfg, batch_size: int) -> float:
     s, h, layers = m.seq_length, m.hidden_size, m.num_layers
     gated = 1.5 if m.gated_linear_unit else 1.0
     dense_mlp = 2 * h * (m.ffn_hidden_size or 4 * h) * gated
-    moe_layers = _moe_layer_count(m)
+    moe = _moe_layers(m)
+    moe_layers = sum(moe)
     mlp = (layers - moe_layers) * dense_mlp + moe_layers * _moe_mlp_per_token(m, gated)
     projections, attention = _attention_per_token(m)
     mtp = m.mtp_num_layers or 0
     if mtp:
-        mlp += mtp * (_moe_mlp_per_token(m, gated) if _last_layer_is_moe(m) else dense_mlp) + mtp * 2 * h * h
+        mlp += mtp * (_moe_mlp_per_token(m, gated) if moe[-1] else dense_mlp) + mtp * 2 * h * h
     per_token = 6 * ((layers + mtp) * (projections + attention * s) + mlp + (1 + mtp) * h * m.padded_vocab_size)
     return float(per_token * s * batch_size)
 
 
-def _moe_layer_count(m) -> int:
+def _moe_layers(m) -> list[bool]:
+    """Whether each decoder layer is an MoE layer (``moe_layer_freq``: a 0/1 list, or every N-th from the first)."""
     if not m.num_moe_experts:
-        return 0
+        return [False] * m.num_layers
     freq = m.moe_layer_freq
-    return sum(freq) if isinstance(freq, list) else sum(1 for i in range(m.num_layers) if i % freq == 0)
-
-
-def _last_layer_is_moe(m) -> bool:
-    if not m.num_moe_experts:
-        return False
-    freq = m.moe_layer_freq
-    return bool(freq[-1]) if isinstance(freq, list) else (m.num_layers - 1) % freq == 0
+    return [bool(f) for f in freq] if isinstance(freq, list) else [i % freq == 0 for i in range(m.num_layers)]
 
 
 def _moe_mlp_per_token(m, gated: float) -> float:

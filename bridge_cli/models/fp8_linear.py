@@ -22,6 +22,7 @@ builds outside these layers.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -73,15 +74,10 @@ def _quantize(t: torch.Tensor, dtype: torch.dtype, rowwise: bool) -> tuple[torch
     return (t.float() * scale).clamp(-largest, largest).to(dtype), scale.reciprocal()
 
 
-_COMPILED = None
-
-
+@functools.cache
 def _compiled_quantize():
     """:func:`_quantize` as one fused kernel pair (amax, then scale-and-cast) for any shape."""
-    global _COMPILED
-    if _COMPILED is None:
-        _COMPILED = torch.compile(_quantize, dynamic=True)
-    return _COMPILED
+    return torch.compile(_quantize, dynamic=True)
 
 
 def _pad_rows(t: torch.Tensor) -> torch.Tensor:

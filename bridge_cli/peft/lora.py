@@ -112,6 +112,11 @@ class LoRAAdapter(torch.nn.Module):
         return sharded
 
 
+def adapter_seed(seed: int, layer_number: int, name: str) -> int:
+    """The seed the A of layer ``layer_number``'s module ``name`` is drawn from: the same under any layout."""
+    return zlib.crc32(f"{seed}:{layer_number}:{name}".encode())
+
+
 def draw_a(dim: int, in_features: int, method: str, seed: int) -> torch.Tensor:
     """A LoRA A matrix (``dim x in_features``), drawn from its own generator seeded with ``seed``."""
     weight = torch.empty(dim, in_features)
@@ -188,7 +193,7 @@ def apply_lora(model_chunks: list, cfg: LoRAConfig, seed: int) -> ParameterCount
                 column = isinstance(module, ColumnParallelLinear)
                 _check_layout(module, name, column)
                 swiglu = name.endswith("linear_fc1") and layer.config.gated_linear_unit
-                add_adapter(module, cfg, column, swiglu, zlib.crc32(f"{seed}:{layer.layer_number}:{name}".encode()))
+                add_adapter(module, cfg, column, swiglu, adapter_seed(seed, layer.layer_number, name))
     params = [p for chunk in model_chunks for p in chunk.parameters()]
     return ParameterCounts(sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params))
 

@@ -15,8 +15,6 @@ linear_fc1's split halves).
 
 from __future__ import annotations
 
-import zlib
-
 import torch
 import torch.nn.functional as F
 
@@ -95,9 +93,11 @@ def add_grouped_adapter(experts: GroupedGemmExperts, cfg: LoRAConfig, targets: l
                                  f"{layer_number} splits its experts over {experts.tp_group.size()} ranks). Set "
                                  "model.expert_tensor_parallel_size=1, or model.moe_grouped_gemm=false.")
 
+    from bridge_cli.peft.lora import adapter_seed
+
     def seed_of(expert: int, linear: str) -> int:
-        # the seed SequentialMLP's adapter of this (global) expert draws A from, in peft.lora.apply_lora
-        return zlib.crc32(f"{seed}:{layer_number}:mlp.experts.local_experts.{expert}.{linear}".encode())
+        # the seed SequentialMLP's adapter of this (global) expert draws A from
+        return adapter_seed(seed, layer_number, f"mlp.experts.local_experts.{expert}.{linear}")
 
     adapter = GroupedLoRAAdapter(experts, cfg, targets, seed_of)
     experts.__class__ = _CLASS

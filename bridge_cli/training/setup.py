@@ -11,7 +11,6 @@ import numpy as np
 import torch
 
 from bridge_cli.logging.startup import StartupClock
-from bridge_cli.models.specs import default_spec_name
 from bridge_cli.training.config import ConfigContainer
 from bridge_cli.training.state import GlobalState
 
@@ -62,7 +61,7 @@ def build_model(cfg: ConfigContainer, runtime) -> list:
             # As Megatron-LM: half-precision weights, fp32 at the loss boundary.
             model = Float16Module(model_config, model)
         chunks.append(model)
-    if model_config.fp8 and (model_config.spec or default_spec_name()) != "te":
+    if model_config.fp8:
         _report_fp8(chunks, model_config, runtime)
     if cfg.peft is not None:
         from bridge_cli.peft.lora import apply_lora
@@ -83,7 +82,7 @@ def _report_fp8(chunks: list, model_config, runtime) -> None:
     from bridge_cli.runtime.collectives import is_last_rank
 
     fp8, bf16 = map(sum, zip(*(fp8_linear_count(chunk) for chunk in chunks)))
-    if is_last_rank():
+    if is_last_rank() and fp8 + bf16:  # none on the te spec, whose own FP8 is Transformer Engine's
         print(f"FP8 GEMMs ({model_config.fp8_recipe} scaling, {model_config.fp8}): {fp8} linear layers in fp8, {bf16} "
               f"in bf16; the output layer, routers and routed experts in bf16 (rank {runtime.rank})", flush=True)
 
