@@ -116,7 +116,8 @@ class ProfilingConfig:
     """Global step at which profiling stops."""
 
     use_pytorch_profiler: bool = False
-    """Use the built-in PyTorch profiler (traces viewable in TensorBoard)."""
+    """Use the built-in PyTorch profiler; its trace (viewable in TensorBoard or Perfetto) goes to
+    `logger.tensorboard_dir`, or `./torch_profile` when that is unset."""
 
     profile_ranks: list[int] = list_field(0)
     """Global ranks to profile."""

@@ -6,14 +6,19 @@ from typing import Optional
 
 import torch
 
+DEFAULT_TRACE_DIR = "torch_profile"
+
 from bridge_cli.config.runtime_configs import ProfilingConfig
 
 
 class StepProfiler:
-    """Profiles iterations ``profile_step_start..profile_step_end`` (inclusive) on ``profile_ranks``."""
+    """Profiles iterations ``profile_step_start..profile_step_end`` (inclusive) on ``profile_ranks``.
+
+    PyTorch traces go to ``trace_dir`` (the TensorBoard folder), or ``./torch_profile`` without one."""
 
     def __init__(self, cfg: Optional[ProfilingConfig], rank: int, is_cuda: bool, trace_dir: Optional[str]):
         self.cfg = cfg
+        self.trace_dir = trace_dir or DEFAULT_TRACE_DIR
         self.active = bool(cfg) and rank in cfg.profile_ranks and (
             cfg.use_pytorch_profiler or cfg.use_nsys_profiler or cfg.record_memory_history)
         self.torch_profiler = None
@@ -24,7 +29,7 @@ class StepProfiler:
 
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if is_cuda else [])
             self.torch_profiler = profile(activities=activities, record_shapes=cfg.record_shapes,
-                                          on_trace_ready=tensorboard_trace_handler(trace_dir))
+                                          on_trace_ready=tensorboard_trace_handler(self.trace_dir))
         if cfg.record_memory_history:
             torch.cuda.memory._record_memory_history()
 
@@ -56,6 +61,8 @@ class StepProfiler:
         self.active = False
         if self.torch_profiler is not None:
             self.torch_profiler.stop()
+            print(f"PyTorch profiler trace of iterations {self.cfg.profile_step_start}..{self.cfg.profile_step_end} "
+                  f"written to {self.trace_dir}", flush=True)
         if self.cfg.use_nsys_profiler:
             torch.cuda.cudart().cudaProfilerStop()
         if self.cfg.record_memory_history:
