@@ -250,7 +250,7 @@ def _optimizer_state_fits(path: Path, cfg, stored: dict, saved: Optional[dict]) 
     """Whether to load the optimizer state; says why not when the checkpoint's cannot be used."""
     if not cfg.checkpoint.load_optim:
         return False
-    if not any(key.startswith("optimizer.") for key in stored):
+    if not any(_is_optimizer_key(key) for key in stored):
         _say(f"{path} holds no optimizer state (saved with checkpoint.save_optim=false); the optimizer starts fresh.")
         return False
     saved_distributed = (saved or {}).get("optimizer", {}).get("use_distributed_optimizer")
@@ -271,6 +271,13 @@ def _optimizer_state_fits(path: Path, cfg, stored: dict, saved: Optional[dict]) 
              f"{saved_layout[1]}, which reshards across data-parallel sizes only; {fresh}")
         return False
     return True
+
+
+def _is_optimizer_key(key: str) -> bool:
+    """``optimizer.*``, or ``chained_<i>.optimizer.*``: megatron-core prefixes each chained distributed
+    optimizer's state that way (one for dense and one for expert parameters when EP > 1)."""
+    first, _, rest = key.partition(".")
+    return first == "optimizer" or (first.startswith("chained_") and rest.startswith("optimizer."))
 
 
 def _model_parallel_layout(model: dict) -> Optional[tuple]:

@@ -1,29 +1,44 @@
-"""Expert parallelism against one GPU on the MoE proxy: the same loss curve, the speed, and a checkpoint
-saved at EP=N that resumes on one GPU.
+"""Expert parallelism against one GPU on the MoE proxy: the same loss curve, the speed, the all-to-all
+share of the step, and a checkpoint saved at EP=N that resumes on one GPU.
 
     python scripts/bench/moe_ep.py [--iters 30] [--ep 2] [--recipe moe_proxy] [-- OVERRIDE ...]
 
-Three runs of `bridge pretrain` with the same global batch: one process; ``--ep`` processes under
-torchrun with ``model.expert_model_parallel_size=EP`` (data-parallel EP for the rest of the model),
-saving its last iteration; then one process resuming that checkpoint for 5 more iterations.
+Runs of `bridge pretrain` with the same global batch:
+1. one process, and again with micro-batch 2 as a control of bf16 rounding;
+2. ``--ep`` processes under torchrun with ``model.expert_model_parallel_size=EP`` (data-parallel EP
+   for the rest of the model), megatron-core's timers at level 2 and the PyTorch profiler on rank 0
+   over three late iterations: megatron-core has no timer around the token dispatcher, so the
+   all-to-all share is read from the trace (NCCL send/recv kernels, which is what
+   ``all_to_all_single`` launches, against the GPU time of the profiled steps);
+3. the same EP layout on a small shape (``--resume-overrides``, so the checkpoint stays a few GB)
+   saving at iteration 4, then one process resuming it to iteration 8, and one process running the
+   8 iterations straight through for comparison.
 Prints each run's tokens/s/GPU, TFLOP/s/GPU and MFU on the activated parameters, peak memory, and
-the largest relative difference between the two loss curves. OVERRIDEs apply to every run
-(default: ``model.num_layers=8 optimizer.use_distributed_optimizer=true``).
+the largest relative difference between the loss curves. OVERRIDEs apply to runs 1 and 2 (default:
+``DEFAULT_OVERRIDES`` below).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import statistics
 import sys
 import tempfile
+from pathlib import Path
 
 from compare_mcore import H100_BF16_PEAK_TFLOPS, ITER_LINE, PEAK, run
 
 LOSS = re.compile(r"^iteration\s+(\d+)/\d+ .*\| lm loss ([0-9.]+) ", re.M)
 TOKENS = re.compile(r"^iteration\s+(\d+)/\d+ .*\| tokens/s/gpu ([0-9,]+) ", re.M)
-DEFAULT_OVERRIDES = ["model.num_layers=8", "optimizer.use_distributed_optimizer=true"]
+TIMER = re.compile(r"^\s+(forward-backward|forward-compute|backward-compute|all-grads-sync|params-all-gather|"
+                   r"optimizer)\s*\.*:\s*\(([0-9.]+), ([0-9.]+)\)", re.M)
+# CPU initialization draws every expert the same under any expert-parallel size (on the GPU each
+# EP rank draws its experts from its own seed), so the layouts start from the same model.
+DEFAULT_OVERRIDES = ["model.num_layers=8", "optimizer.use_distributed_optimizer=true", "model.use_cpu_initialization=true"]
+RESUME_OVERRIDES = ["model.num_layers=2", "model.num_moe_experts=16", "model.vocab_size=32768",
+                    "optimizer.use_distributed_optimizer=true", "model.use_cpu_initialization=true"]
 
 
 def summary(out: str, warmup: int = 3) -> dict:
@@ -34,7 +49,8 @@ def summary(out: str, warmup: int = 3) -> dict:
             "tokens": statistics.median(tokens) if tokens else float("nan"),
             "step_ms": statistics.median(ms for ms, _ in rows) if rows else float("nan"),
             "tflops": statistics.median(tf for _, tf in rows) if rows else float("nan"),
-            "peak": float(peak.group(1)) if peak else float("nan")}
+            "peak": float(peak.group(1)) if peak else float("nan"),
+            "timers": {name: float(high) for name, _, high in TIMER.findall(out)}}  # the last interval's
 
 
 def report(name: str, r: dict) -> dict:
@@ -43,11 +59,31 @@ def report(name: str, r: dict) -> dict:
     return r
 
 
+def collective_share(trace_dir: Path, steps: int) -> dict:
+    """Per-step milliseconds of NCCL kernels by kind and of GPU time in all, from rank 0's trace (empty on a CPU)."""
+    trace = json.loads(next(trace_dir.glob("*.pt.trace.json")).read_text())
+    kernels = [e for e in trace["traceEvents"] if e.get("cat") == "kernel" and "dur" in e]
+    if not kernels:
+        return {}
+    span_us = max(e["ts"] + e["dur"] for e in kernels) - min(e["ts"] for e in kernels)
+    kinds = {"all-to-all (SendRecv)": "SendRecv", "reduce-scatter": "ReduceScatter", "all-gather": "AllGather",
+             "all-reduce": "AllReduce"}
+    per_step = {kind: sum(e["dur"] for e in kernels if "nccl" in e["name"].lower() and key in e["name"])
+                / steps / 1000 for kind, key in kinds.items()}
+    per_step["GPU time"] = span_us / steps / 1000
+    return per_step
+
+
+def curve_difference(a: dict, b: dict, iterations) -> float:
+    return max(abs(b[i] / a[i] - 1) for i in iterations)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--ep", type=int, default=2)
     parser.add_argument("--recipe", default="moe_proxy")
+    parser.add_argument("--resume-overrides", nargs="*", default=RESUME_OVERRIDES)
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     base = [f"recipe={args.recipe}", "train.eval_iters=0", "logger.log_interval=1",
@@ -55,22 +91,46 @@ def main() -> None:
     bridge = [sys.executable, "-m", "bridge_cli", "pretrain"]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.ep), "-m", "bridge_cli",
                 "pretrain"]
+    ep = f"model.expert_model_parallel_size={args.ep}"
     print(f"{'run':<22} {'ms/step':>8} {'tok/s/gpu':>10} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>9}", flush=True)
-    with tempfile.TemporaryDirectory() as save:
-        # each run's line as soon as it ends, so a time limit keeps what finished
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        # each result as soon as its run ends, so a time limit keeps what finished
         one = report("one GPU", summary(run([*bridge, *base, f"train.train_iters={args.iters}"])[0]))
-        ep = report(f"EP={args.ep} on {args.ep} GPUs", summary(run([
-            *torchrun, *base, f"train.train_iters={args.iters}", f"model.expert_model_parallel_size={args.ep}",
-            f"checkpoint.save={save}", f"checkpoint.save_interval={args.iters}"])[0]))
-        resumed = summary(run([*bridge, *base, f"train.train_iters={args.iters + 5}", f"checkpoint.save={save}",
-                               "checkpoint.save_interval=1000", "scheduler.override_opt_param_scheduler=true"])[0])
-    differences = [abs(ep["losses"][i] / one["losses"][i] - 1) for i in one["losses"]]
-    print(f"loss curves over {args.iters} iterations: largest relative difference {max(differences):.2e} "
-          f"(first {one['losses'].get(1)}, last one GPU {one['losses'].get(args.iters)}, EP "
-          f"{ep['losses'].get(args.iters)})")
-    resumed_iters = sorted(i for i in resumed["losses"] if i > args.iters)
-    print(f"EP={args.ep} checkpoint resumed on one process: iterations {resumed_iters[:1]}..{resumed_iters[-1:]}, "
-          f"losses {[resumed['losses'][i] for i in resumed_iters]}")
+        first, last = args.iters - 4, args.iters - 2
+        parallel = report(f"EP={args.ep} on {args.ep} GPUs", summary(run([
+            *torchrun, *base, f"train.train_iters={args.iters}", ep, "logger.timing_log_level=2",
+            "profiling.use_pytorch_profiler=true",
+            f"profiling.profile_step_start={first}", f"profiling.profile_step_end={last}",
+            f"logger.tensorboard_dir={tmp / 'tb'}"])[0]))
+        # the control: one GPU again with two micro-batches of 2 instead of 1 (the same math, summed in
+        # another order), to tell bf16 rounding carried through a steep curve from an EP error
+        control = report("one GPU, micro-batch 2", summary(run([*bridge, *base, f"train.train_iters={args.iters}",
+                                                               "train.micro_batch_size=2"])[0]))
+        for name, r in (("one GPU", one), (f"EP={args.ep}", parallel), ("one GPU, micro-batch 2", control)):
+            print(f"{name} losses: " + " ".join(f"{r['losses'][i]:.3f}" for i in sorted(r["losses"])))
+        print(f"loss curves over {args.iters} iterations, largest relative difference from one GPU: EP={args.ep} "
+              f"{curve_difference(one['losses'], parallel['losses'], one['losses']):.2e}, micro-batch 2 "
+              f"{curve_difference(one['losses'], control['losses'], one['losses']):.2e}", flush=True)
+        timers = ", ".join(f"{name} {ms:.1f}" for name, ms in parallel["timers"].items())
+        print(f"EP={args.ep} megatron-core timers (max over ranks, ms per iteration): {timers}")
+        share = collective_share(tmp / "tb", last - first + 1)
+        if share:
+            print(f"EP={args.ep} rank 0 trace, ms per step: " + ", ".join(f"{k} {v:.1f}" for k, v in share.items())
+                  + f"; all-to-all share {share['all-to-all (SendRecv)'] / share['GPU time']:.1%}", flush=True)
+
+        small = [f"recipe={args.recipe}", "train.eval_iters=0", "logger.log_interval=1", *args.resume_overrides]
+        save = [*small, "train.train_iters=8", f"checkpoint.save={tmp / 'ckpt'}"]
+        straight = summary(run([*bridge, *small, "train.train_iters=8"])[0])["losses"]
+        run([*torchrun, *save, ep, "train.exit_interval=4"])
+        out = run([*bridge, *save])[0]
+        resumed = summary(out)["losses"]
+        notes = [line.strip() for line in out.splitlines() if "optimizer starts fresh" in line]
+        # iteration 5's loss is computed before the resumed run's first update: the same weights
+        print(f"EP={args.ep} checkpoint (iteration 4) resumed on one process: losses 5..8 "
+              f"{[resumed[i] for i in range(5, 9)]}, one process straight through {[straight[i] for i in range(5, 9)]}"
+              f" (iteration 5 relative difference {abs(resumed[5] / straight[5] - 1):.2e})"
+              + (f"\n  {notes[0]}" if notes else ""))
 
 
 if __name__ == "__main__":

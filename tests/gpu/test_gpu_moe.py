@@ -1,5 +1,6 @@
-"""MoE on the GPU: torch._grouped_mm experts equal the per-expert GEMM loop in bf16, and tiny_moe
-trains with grouped experts in bf16."""
+"""MoE on the GPU: torch._grouped_mm experts equal the per-expert GEMM loop in bf16, tiny_moe
+trains with grouped experts in bf16, and (on two GPUs) expert parallelism over NCCL follows one GPU and
+resumes exactly with its distributed-optimizer state."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 from bridge_cli.models.moe_experts import _grouped_mm_supported, grouped_linear
-from tests.conftest import bridge
+from tests.conftest import bridge, torchrun
 from tests.integration.test_pretrain_cpu import losses
 
 pytestmark = pytest.mark.gpu
@@ -50,3 +51,38 @@ def test_lora_on_grouped_experts_fine_tunes_in_bf16(tmp_path):
         assert result.returncode == 0, result.stderr[-3000:]
         curve = losses(result.stdout)
         assert curve[-1] < curve[0], curve
+
+
+TWO_GPU_RUN = ["recipe=tiny_moe", "mixed_precision=bf16_mixed", "model.moe_grouped_gemm=true", "train.eval_iters=0",
+               "logger.log_interval=1", "train.train_iters=12", "model.use_cpu_initialization=true",
+               "optimizer.use_distributed_optimizer=true"]
+EP2 = "model.expert_model_parallel_size=2"
+
+
+def _two_gpus() -> bool:
+    return torch.cuda.is_available() and torch.cuda.device_count() >= 2
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _two_gpus(), reason="needs 2 GPUs")
+def test_expert_parallel_two_over_nccl_follows_one_gpu():
+    one = bridge("pretrain", *TWO_GPU_RUN)
+    ep = torchrun(2, "pretrain", *TWO_GPU_RUN, EP2)
+    assert one.returncode == 0 and ep.returncode == 0, (one.stderr[-2000:], ep.stderr[-2000:])
+    assert losses(ep.stdout) == pytest.approx(losses(one.stdout), rel=2e-2)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _two_gpus(), reason="needs 2 GPUs")
+def test_expert_parallel_resume_loads_the_chained_distributed_optimizer(tmp_path):
+    """With EP > 1 megatron-core chains a dense and an expert distributed optimizer and saves their state
+    under ``chained_<i>.optimizer.*``; resuming must load it, not start a fresh optimizer."""
+    straight = torchrun(2, "pretrain", *TWO_GPU_RUN, EP2)
+    save = f"checkpoint.save={tmp_path / 'ckpt'}"
+    first = torchrun(2, "pretrain", *TWO_GPU_RUN, EP2, save, "train.exit_interval=6")
+    resumed = torchrun(2, "pretrain", *TWO_GPU_RUN, EP2, save)
+    for result in (straight, first, resumed):
+        assert result.returncode == 0, result.stderr[-3000:]
+    assert "optimizer starts fresh" not in resumed.stdout
+    # a fresh Adam state would move the resumed curve by far more than bf16's non-deterministic sums
+    assert losses(resumed.stdout) == pytest.approx(losses(straight.stdout)[6:], rel=5e-3)
