@@ -84,6 +84,7 @@ def main() -> None:
     parser.add_argument("--ep", type=int, default=2)
     parser.add_argument("--recipe", default="moe_proxy")
     parser.add_argument("--resume-overrides", nargs="*", default=RESUME_OVERRIDES)
+    parser.add_argument("--curves-only", action="store_true", help="only the one-GPU and EP runs")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     base = [f"recipe={args.recipe}", "train.eval_iters=0", "logger.log_interval=1",
@@ -105,20 +106,23 @@ def main() -> None:
             f"logger.tensorboard_dir={tmp / 'tb'}"])[0]))
         # the control: one GPU again with two micro-batches of 2 instead of 1 (the same math, summed in
         # another order), to tell bf16 rounding carried through a steep curve from an EP error
-        control = report("one GPU, micro-batch 2", summary(run([*bridge, *base, f"train.train_iters={args.iters}",
-                                                               "train.micro_batch_size=2"])[0]))
-        for name, r in (("one GPU", one), (f"EP={args.ep}", parallel), ("one GPU, micro-batch 2", control)):
+        runs = {"one GPU": one, f"EP={args.ep}": parallel}
+        if not args.curves_only:
+            runs["micro-batch 2"] = report("one GPU, micro-batch 2", summary(run([
+                *bridge, *base, f"train.train_iters={args.iters}", "train.micro_batch_size=2"])[0]))
+        for name, r in runs.items():
             print(f"{name} losses: " + " ".join(f"{r['losses'][i]:.3f}" for i in sorted(r["losses"])))
-        print(f"loss curves over {args.iters} iterations, largest relative difference from one GPU: EP={args.ep} "
-              f"{curve_difference(one['losses'], parallel['losses'], one['losses']):.2e}, micro-batch 2 "
-              f"{curve_difference(one['losses'], control['losses'], one['losses']):.2e}", flush=True)
+        print(f"loss curves over {args.iters} iterations, largest relative difference from one GPU: " + ", ".join(
+            f"{name} {curve_difference(one['losses'], r['losses'], one['losses']):.2e}"
+            for name, r in list(runs.items())[1:]), flush=True)
         timers = ", ".join(f"{name} {ms:.1f}" for name, ms in parallel["timers"].items())
         print(f"EP={args.ep} megatron-core timers (max over ranks, ms per iteration): {timers}")
         share = collective_share(tmp / "tb", last - first + 1)
         if share:
             print(f"EP={args.ep} rank 0 trace, ms per step: " + ", ".join(f"{k} {v:.1f}" for k, v in share.items())
                   + f"; all-to-all share {share['all-to-all (SendRecv)'] / share['GPU time']:.1%}", flush=True)
-
+        if args.curves_only:
+            return
         small = [f"recipe={args.recipe}", "train.eval_iters=0", "logger.log_interval=1", *args.resume_overrides]
         save = [*small, "train.train_iters=8", f"checkpoint.save={tmp / 'ckpt'}"]
         straight = summary(run([*bridge, *small, "train.train_iters=8"])[0])["losses"]

@@ -23,10 +23,12 @@ def run_attention(module, qkv, **kwargs):
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("softmax_type", ["vanilla", "learnable"])
 @pytest.mark.parametrize("documents", [False, True])
-def test_flex_on_the_gpu_equals_the_cpu_path(window, softmax_type, documents):
+@pytest.mark.parametrize("softcap", [None, 2.0])
+def test_flex_on_the_gpu_equals_the_cpu_path(window, softmax_type, documents, softcap):
     from bridge_cli.models.attention.masks import document_params
 
-    fields = dict(softmax_type=softmax_type, **({"window_size": (window, 0)} if window else {}))
+    fields = dict(softmax_type=softmax_type, **({"window_size": (window, 0)} if window else {}),
+                  **({"attn_logit_softcapping": softcap} if softcap else {}))
     cpu = attention(**fields).cpu()  # the sink parameter is built on the GPU where there is one
     if softmax_type == "learnable":
         with torch.no_grad():
