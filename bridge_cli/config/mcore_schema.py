@@ -212,6 +212,7 @@ def build(section: str, cls: type, values: dict) -> Any:
 
     check_choices(section, cls, values)
     check_values(section, values)
+    _check_kernel_packages(section, values)
     kwargs = dict(values)
     for f in schema_fields(cls):
         if f.converter is not None and f.name in kwargs:
@@ -228,6 +229,20 @@ def build(section: str, cls: type, values: dict) -> Any:
         key = f"{section}.{named[0]}" if named else section
         hint = f"Check {', '.join(f'{section}.{n}' for n in named)}." if named else None
         raise ConfigError(key, f"megatron-core rejected this {cls.__name__}: {err or 'assertion failed'}", hint) from err
+
+
+KERNEL_PACKAGES = {"moe_router_fusion": "transformer_engine", "moe_permute_fusion": "transformer_engine"}
+"""Fused-kernel switches and the package their kernel comes from. megatron-core refuses them while
+building its config without naming the switch (an ImportError in 0.16, a ValueError in 0.19)."""
+
+
+def _check_kernel_packages(section: str, values: dict) -> None:
+    import importlib.util
+
+    for field, package in KERNEL_PACKAGES.items():
+        if values.get(field) and importlib.util.find_spec(package) is None:
+            raise ConfigError(f"{section}.{field}", f"is a Transformer Engine kernel, and {package} does not import "
+                              "here.", f"Set {section}.{field}=false.")
 
 
 def fields_named_in(message: str, cls: type) -> list[str]:

@@ -54,11 +54,6 @@ def _check_layer_pattern(m) -> None:
 
 
 def _check_kernels(m) -> None:
-    te = _importable("transformer_engine")
-    for field in ("moe_router_fusion", "moe_permute_fusion"):
-        if getattr(m, field, False) and not te:
-            raise ConfigError(f"model.{field}", "is a Transformer Engine kernel, and transformer_engine does not "
-                              "import here.", f"Set model.{field}=false.")
     if m.moe_token_dispatcher_type == "flex" and not (_importable("deep_ep") or _importable("hybrid_ep")):
         raise ConfigError("model.moe_token_dispatcher_type", "flex needs DeepEP or HybridEP, neither imports here.",
                           "Use alltoall or allgather.")

@@ -16,6 +16,14 @@ import functools
 import sys
 
 
+def megatron_core_version() -> tuple[int, int]:
+    """(major, minor) of the installed megatron-core, read without importing it."""
+    from importlib.metadata import version
+
+    major, minor = version("megatron-core").split(".")[:2]
+    return int(major), int(minor)
+
+
 def import_megatron_core(runs_model: bool = True) -> None:
     """Silence megatron-core's known noise. Without ``runs_model``, also import megatron-core now
     (once), its fused kernels compiled at their first call if ever; with it, the command's own

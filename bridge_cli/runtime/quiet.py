@@ -20,6 +20,9 @@ _LOG_LINES = {
     # ignore_logging_functions (torch 2.13 leaves that key out), both its compilation and its runtime
     # metrics; compilation itself is unaffected
     "torch._dynamo.metrics_context": ("Unexpected exception logging",),
+    # a CUDA build of torch on a machine without a GPU (megatron-core 0.19 imports cpp_extension);
+    # bridge's start-up line names the device it runs on
+    "torch.utils.cpp_extension": ("No CUDA runtime is found",),
 }
 
 

@@ -16,6 +16,8 @@ import contextlib
 from pathlib import Path
 from typing import Iterator, Optional
 
+from bridge_cli.runtime.mcore_import import megatron_core_version
+
 
 def initialize(cfg) -> None:
     """Set up megatron-core's machine from ``cfg`` (the RerunStateMachineConfig), as Megatron-LM does."""
@@ -78,6 +80,15 @@ def went_on_line(iteration: int, runs: int) -> Optional[str]:
         return None
     return (f"rerun state machine: iteration {iteration} failed a non-fatal check (spiky loss) and was re-run on the "
             "same data; training goes on with the re-run's result.")
+
+
+def start_at(step: int) -> None:
+    """Make the machine's next iteration ``step + 1``, the one this run trains next (a resumed run's
+    machine counts from its checkpoint), so its messages and bridge's name the same iteration.
+    megatron-core 0.17 counts from 0 inside the machine and prints one more; 0.16 printed its count."""
+    from megatron.core.rerun_state_machine import get_rerun_state_machine
+
+    get_rerun_state_machine().current_iteration = step - 1 if megatron_core_version() >= (0, 17) else step
 
 
 def exit_line(exit_code: int, iteration: int, saved: Optional[Path], save_dir: Optional[str]) -> str:

@@ -279,7 +279,6 @@ def train(forward_step_func: ForwardStepCallable, model: list, optimizer, schedu
           process_non_loss_data_func: Optional[Callable] = None, non_loss_data_func: Optional[Callable] = None) -> int:
     """Run training to ``train.train_iters`` (or an exit condition); returns the process exit code."""
     from megatron.core.num_microbatches_calculator import get_current_global_batch_size, update_num_microbatches
-    from megatron.core.rerun_state_machine import get_rerun_state_machine
 
     step_func = prepare_forward_step_func(forward_step_func, global_state)
     cfg, ts = global_state.cfg, global_state.train_state
@@ -290,7 +289,7 @@ def train(forward_step_func: ForwardStepCallable, model: list, optimizer, schedu
         gc.disable()
         gc.collect()
     logger = global_state.training_logger = global_state.training_logger or TrainingLogger(global_state, model)
-    get_rerun_state_machine().current_iteration = ts.step  # a resumed run's machine counts from its checkpoint
+    rerun.start_at(ts.step)
     profiler = StepProfiler(cfg.profiling, dist.get_rank(), global_state.runtime.is_cuda, cfg.logger.tensorboard_dir)
     exit_code = 0
     watched = ([train_cfg.exit_signal] if train_cfg.exit_signal_handler else []) + \

@@ -25,6 +25,7 @@ from bridge_cli.models.moe_checks import check_moe
 from bridge_cli.models.specs import default_spec_name
 from bridge_cli.config.data_configs import FinetuningDatasetConfig
 from bridge_cli.runtime.device_rules import check_device
+from bridge_cli.runtime.mcore_import import megatron_core_version
 from bridge_cli.runtime.output_paths import check_output_folders
 
 SCHEDULER_STEP_FIELDS = ("lr_warmup_steps", "lr_decay_steps", "wd_incr_steps", "wsd_decay_steps")
@@ -206,7 +207,7 @@ def _check_precision(cfg) -> None:
 
 def _check_rerun_mode(cfg) -> None:
     rerun = cfg.rerun_state_machine
-    if rerun.rerun_mode == "report_determinism_stats" and _megatron_core_version() < (0, 19):
+    if rerun.rerun_mode == "report_determinism_stats" and megatron_core_version() < (0, 19):
         raise ConfigError("rerun_state_machine.rerun_mode",
                           "report_determinism_stats fails in megatron-core before 0.19 (its statistics report reads "
                           "fields its own Caller lacks).", "Use validate_results, or upgrade megatron-core to 0.19.")
@@ -215,12 +216,6 @@ def _check_rerun_mode(cfg) -> None:
                           "under fp16 with dynamic loss scaling, a NaN/Inf loss is the loss scaler's signal, not a fault.",
                           "Set rerun_state_machine.check_for_nan_in_loss=false (Megatron-LM turns it off there), "
                           "or optimizer.loss_scale to a fixed value.")
-
-
-def _megatron_core_version() -> tuple[int, ...]:
-    from importlib.metadata import version
-
-    return tuple(int(part) for part in version("megatron-core").split(".")[:2])
 
 
 def _check_model_shape(m) -> None:

@@ -33,7 +33,7 @@ def test_list_valued_moe_fields_reach_megatron_core(cli):
     (["model.moe_pad_expert_input_to_capacity=true", "model.moe_expert_capacity_factor=1.0",
       "model.moe_token_dispatcher_type=allgather"], ["model.moe_pad_expert_input_to_capacity", "alltoall"]),
     (["model.moe_router_fusion=true"], ["model.moe_router_fusion", "Transformer Engine"]),
-    (["model.moe_permute_fusion=true"], ["model: an option of this GPTModelProvider needs a package", "fused_permute"]),
+    (["model.moe_permute_fusion=true"], ["model.moe_permute_fusion", "Transformer Engine"]),
     (["model.moe_token_dispatcher_type=flex"], ["model.moe_token_dispatcher_type", "DeepEP"]),
     (["model.moe_grouped_gemm=true", "model.add_bias_linear=true", "model.spec=torch"],
      ["model.moe_grouped_gemm", "add_bias_linear"]),
