@@ -57,11 +57,13 @@ def export_hf(ckpt_dir: Path, out_dir: Path, step: Optional[int] = None, max_sha
     def tensors():
         group: dict = {}
         for pair in per_tensor(family.pairs(arch), "exporting"):
-            while pair.mcore not in group:  # the family lists the tensors in the model's order
+            # the family lists the tensors in the model's order; a pair's parameters are in one layer
+            while pair.mcore_names[0] not in group:
                 group = next(groups, None)
                 if group is None:
-                    raise RuntimeError(f"{pair.mcore}: not among the model's parameters, or out of their order")
-            yield from zip(pair.hf_names, to_hf(pair, group[pair.mcore], arch))
+                    raise RuntimeError(f"{pair.mcore_names[0]}: not among the model's parameters, or out of "
+                                       "their order")
+            yield from zip(pair.hf_names, to_hf(pair, [group[name] for name in pair.mcore_names], arch))
 
     with staged(out_dir) as staging:
         (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -142,7 +142,7 @@ def _convert(weights: SafetensorsFolder, todo: list, arch, cfg, staging: Path) -
     mcore_io.init_process()
     model = mcore_io.build_model(mcore_io.model_config(cfg.run_record()["model"]))
     params = mcore_io.weights(model)
-    differ = set(params) ^ {pair.mcore for pair in todo}
+    differ = set(params) ^ {name for pair in todo for name in pair.mcore_names}
     if differ:  # megatron-core's layer spec names its modules differently from hf_weights: a bug
         raise RuntimeError(f"megatron-core parameters and the Hugging Face mapping differ: {sorted(differ)}")
     source_dtypes = set()
@@ -150,11 +150,12 @@ def _convert(weights: SafetensorsFolder, todo: list, arch, cfg, staging: Path) -
         for pair in per_tensor(todo, "importing"):
             parts = [weights.tensor(name) for name in pair.hf_names]
             source_dtypes.update(str(part.dtype).removeprefix("torch.") for part in parts)
-            value, param = to_mcore(pair, parts, arch), params[pair.mcore]
-            if value.shape != param.shape:  # copy_ would broadcast; the mapping and the model disagree
-                raise RuntimeError(f"{pair.mcore}: converted to {tuple(value.shape)}, the model has "
-                                   f"{tuple(param.shape)}")
-            param.copy_(value)
+            for name, value in zip(pair.mcore_names, to_mcore(pair, parts, arch), strict=True):
+                param = params[name]
+                if value.shape != param.shape:  # copy_ would broadcast; the mapping and the model disagree
+                    raise RuntimeError(f"{name}: converted to {tuple(value.shape)}, the model has "
+                                       f"{tuple(param.shape)}")
+                param.copy_(value)
     mcore_io.save_weights(model, cfg, staging)
     target = str(cfg.model.params_dtype).removeprefix("torch.")
     return sum(p.numel() for p in params.values()), f"{'/'.join(sorted(source_dtypes))} -> {target}"

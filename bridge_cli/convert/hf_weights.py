@@ -16,14 +16,18 @@ differ from Hugging Face's:
   (``make_vocab_size_divisible_by``); export drops them.
 - A mixture-of-experts layer holds one ``linear_fc1``/``linear_fc2`` per expert
   (``experts.local_experts.<j>``, the names of megatron-core's SequentialMLP, whose checkpoint
-  format the grouped-GEMM experts share), each laid out as the dense MLP's.
+  format the grouped-GEMM experts share), each laid out as the dense MLP's. GPT-OSS stacks the
+  experts instead: one ``[experts, in, out]`` tensor per projection (``x @ w``, the transpose of a
+  linear layer's weight) and one ``[experts, out]`` per bias, with gate and up interleaved along
+  ``out`` in ``gate_up_proj`` (gate in the even columns, up in the odd ones). One :class:`Pair` then
+  maps that tensor to every expert's parameter.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import Optional
+from typing import Optional, Union
 
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 """Hugging Face tensors that carry no weights (old Llama checkpoints saved the RoPE frequencies)."""
@@ -35,6 +39,17 @@ class Layout(Enum):
     FUSED_QKV = "fused_qkv"
     GATE_UP = "gate_up"
     VOCAB = "vocab"
+    EXPERTS = "experts"
+    """A tensor stacked over the experts, each expert's slice as megatron-core holds it (a bias)."""
+    EXPERTS_T = "experts_t"
+    """Stacked over the experts, each slice ``[in, out]``: megatron-core's weight is its transpose."""
+    EXPERTS_GATE_UP = "experts_gate_up"
+    """Stacked over the experts, gate and up interleaved along the last axis (a weight's slice
+    ``[in, 2 * ffn]``, transposed as EXPERTS_T): megatron-core's ``[gate; up]``."""
+
+
+STACKED = (Layout.EXPERTS, Layout.EXPERTS_T, Layout.EXPERTS_GATE_UP)
+"""The layouts of a Hugging Face tensor that holds every expert's parameter."""
 
 
 @dataclass(frozen=True)
@@ -94,11 +109,16 @@ def moe_layer_pattern(freq, num_layers: int) -> tuple[bool, ...]:
 
 @dataclass(frozen=True)
 class Pair:
-    """One megatron-core parameter and the Hugging Face tensors (name, shape) it is made of."""
+    """One megatron-core parameter and the Hugging Face tensors (name, shape) it is made of; or, in
+    a STACKED layout, each expert's parameter (in expert order) and the one tensor holding them all."""
 
-    mcore: str
+    mcore: Union[str, tuple[str, ...]]
     hf: tuple[tuple[str, tuple[int, ...]], ...]
     layout: Layout = Layout.SAME
+
+    @property
+    def mcore_names(self) -> tuple[str, ...]:
+        return self.mcore if isinstance(self.mcore, tuple) else (self.mcore,)
 
     @property
     def hf_names(self) -> tuple[str, ...]:
@@ -110,10 +130,17 @@ def ignorable(name: str, arch: Architecture) -> bool:
     return name.endswith(IGNORED_SUFFIXES) or (arch.tied and name == "lm_head.weight")
 
 
-def to_mcore(pair: Pair, tensors: list, arch: Architecture):
-    """The megatron-core parameter made of ``pair``'s Hugging Face tensors (in ``pair.hf`` order)."""
+def to_mcore(pair: Pair, tensors: list, arch: Architecture) -> list:
+    """The megatron-core parameters (in ``pair.mcore_names`` order) made of ``pair``'s Hugging Face
+    tensors (in ``pair.hf`` order)."""
     import torch
 
+    if pair.layout in STACKED:
+        (stacked,) = tensors
+        experts = [t.t() if t.dim() == 2 and pair.layout is not Layout.EXPERTS else t for t in stacked.unbind(0)]
+        if pair.layout is Layout.EXPERTS_GATE_UP:
+            experts = [torch.cat([t[0::2], t[1::2]]) for t in experts]
+        return [t.contiguous() for t in experts]
     if pair.layout is Layout.FUSED_QKV:
         (fused,) = tensors
         tensors = fused.split(arch.qkv_rows, dim=0)
@@ -121,20 +148,27 @@ def to_mcore(pair: Pair, tensors: list, arch: Architecture):
         g, d, rest = arch.num_query_groups, arch.kv_channels, tensors[0].shape[1:]
         q, k, v = tensors
         grouped = (q.reshape(g, arch.heads_per_group * d, *rest), k.reshape(g, d, *rest), v.reshape(g, d, *rest))
-        return torch.cat(grouped, dim=1).reshape(-1, *rest)
+        return [torch.cat(grouped, dim=1).reshape(-1, *rest)]
     if pair.layout is Layout.GATE_UP:
-        return torch.cat(tensors, dim=0)
-    (tensor,) = tensors
-    return tensor
+        return [torch.cat(tensors, dim=0)]
+    return list(tensors)
 
 
-def to_hf(pair: Pair, tensor, arch: Architecture) -> list:
-    """``pair``'s Hugging Face tensors (in ``pair.hf`` order), contiguous and owning their memory.
+def to_hf(pair: Pair, tensors: list, arch: Architecture) -> list:
+    """``pair``'s Hugging Face tensors (in ``pair.hf`` order) made of its megatron-core ``tensors`` (in
+    ``pair.mcore_names`` order), contiguous and owning their memory.
 
     safetensors refuses tensors that share storage, so the parts of a fused parameter are copies.
     """
     import torch
 
+    if pair.layout in STACKED:
+        if pair.layout is Layout.EXPERTS_GATE_UP:  # [gate; up] -> rows gate 0, up 0, gate 1, up 1, ...
+            tensors = [torch.stack(t.chunk(2, dim=0), dim=1).reshape(t.shape) for t in tensors]
+        if pair.layout is not Layout.EXPERTS:
+            tensors = [t.t() if t.dim() == 2 else t for t in tensors]
+        return [torch.stack(tensors)]
+    (tensor,) = tensors
     if pair.layout in (Layout.QKV, Layout.FUSED_QKV):
         g, d, rest = arch.num_query_groups, arch.kv_channels, tensor.shape[1:]
         parts = tensor.reshape(g, (arch.heads_per_group + 2) * d, *rest).split([arch.heads_per_group * d, d, d], dim=1)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 from bridge_cli.checkpoint import state_dict, verify
 from bridge_cli.checkpoint.errors import CheckpointError
@@ -29,12 +29,15 @@ SINGLE_PROCESS = {
 }
 
 
-def init_process(tensor_model_parallel_size: int = 1, expert_model_parallel_size: int = 1):
-    """Join a gloo process group (a world of one unless launched by torchrun) with megatron-core's groups."""
+def init_process(tensor_model_parallel_size: int = 1, expert_model_parallel_size: int = 1,
+                 expert_tensor_parallel_size: Optional[int] = None):
+    """Join a gloo process group (a world of one unless launched by torchrun) with megatron-core's groups
+    (expert TP: the tensor-parallel size unless given)."""
     from bridge_cli.runtime.distributed import init_distributed
 
     return init_distributed("gloo", 30, tensor_model_parallel_size, 1,
-                            expert_model_parallel_size=expert_model_parallel_size)
+                            expert_model_parallel_size=expert_model_parallel_size,
+                            expert_tensor_parallel_size=expert_tensor_parallel_size)
 
 
 def model_config(values: dict[str, Any], **overrides):

@@ -21,6 +21,6 @@ def per_tensor(pairs: Sequence[Pair], label: str) -> Iterator[Pair]:
     with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
         task = bar.add_task("", total=len(pairs))
         for pair in pairs:
-            bar.update(task, description=pair.mcore)
+            bar.update(task, description=pair.mcore_names[0])
             yield pair
             bar.advance(task)

@@ -49,6 +49,8 @@ class GPTModel(MCoreGPTModel):
         if isinstance(params, DocumentParams) and params.rope_positions is not None and rotary is not None:
             if rotary.shape[0] != params.max_seqlen_q:  # cut to this context-parallel rank's part: want all
                 rotary = self.rotary_pos_emb.get_emb(params.max_seqlen_q)
+                if isinstance(rotary, tuple):  # YaRN's comes with its cos/sin scale, which the layers read again
+                    rotary = rotary[0]
             # [S, 1, 1, d] table -> [s, b, 1, d]: row j of sample i is position rope_positions[i, j]
             rotary = rotary[:, 0][params.rope_positions.t()]
             output = (output[0], rotary, *output[2:])

@@ -72,6 +72,14 @@ def _check_parallel_layout(m, world_size: int) -> None:
         raise ConfigError("model.expert_model_parallel_size", f"{ep} does not divide model.num_moe_experts "
                           f"({m.num_moe_experts}); every rank holds the same number of experts.",
                           "Pick a divisor of the expert count.")
+    if etp < m.tensor_model_parallel_size and ep == 1:
+        raise ConfigError("model.expert_tensor_parallel_size",
+                          f"{etp} is below model.tensor_model_parallel_size ({m.tensor_model_parallel_size}) with "
+                          "model.expert_model_parallel_size=1: each tensor-parallel rank then runs the experts on its "
+                          "own tokens, and megatron-core sums expert gradients across those ranks only when the "
+                          "experts are expert-parallel, so they would learn from part of each batch.",
+                          "Set model.expert_model_parallel_size to 2 or more, or model.expert_tensor_parallel_size to "
+                          "the TP size (experts with biases, add_bias_linear, need expert TP 1).")
     expert_model_parallel = etp * ep * m.pipeline_model_parallel_size
     if world_size % expert_model_parallel:
         raise ConfigError("model.expert_model_parallel_size", f"expert TP ({etp}) x EP ({ep}) x PP "

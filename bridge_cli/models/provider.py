@@ -9,6 +9,21 @@ from typing import Literal, Optional
 
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
+YARN_DEFAULTS = {"yarn_rotary_scaling_factor": 1.0, "yarn_original_max_position_embeddings": 4096,
+                 "yarn_beta_fast": 32.0, "yarn_beta_slow": 1.0, "yarn_mscale": 1.0, "yarn_mscale_all_dim": 0.0,
+                 "yarn_correction_range_round_to_int": True}
+"""The yarn_* fields' defaults: megatron-core's YarnRotaryEmbedding's, whose cos/sin scale is then 1."""
+
+YARN_EXCLUDES = {
+    "multi_latent_attention": (False, "multi-latent attention has its own YaRN (rope_type=yarn)"),
+    "rotary_percent": (1.0, "megatron-core's YaRN table covers the whole head"),
+    "rotary_interleaved": (False, "megatron-core's YaRN rotates the two halves of each head"),
+    "rope_scaling": (False, "YaRN is the scaling"),
+    "seq_len_interpolation_factor": (None, "megatron-core's YaRN table ignores it"),
+    "apply_rope_fusion": (False, "the fused RoPE kernels cannot scale cos/sin by YaRN's factor"),
+}
+"""Settings position_embedding_type=yarn cannot take: the value it needs, and why."""
+
 
 @dataclass
 class GPTModelProvider(MLATransformerConfig):
@@ -37,8 +52,8 @@ class GPTModelProvider(MLATransformerConfig):
     seq_length: int = 1024
     """Maximum sequence length the model is built for (positional embeddings, RoPE cache)."""
 
-    position_embedding_type: Literal["learned_absolute", "rope", "none"] = "learned_absolute"
-    """Position embedding: learned_absolute (GPT-2), rope (Llama) or none."""
+    position_embedding_type: Literal["learned_absolute", "rope", "yarn", "none"] = "learned_absolute"
+    """Position embedding: learned_absolute (GPT-2), rope (Llama), yarn (RoPE with YaRN scaling, GPT-OSS; the yarn_* fields) or none."""
 
     rotary_base: int = 10000
     """RoPE base period (Llama 3: 500000)."""
@@ -54,6 +69,27 @@ class GPTModelProvider(MLATransformerConfig):
 
     rope_scaling_factor: float = 8.0
     """Llama 3.1 RoPE scaling factor (Llama 3.1: 8, Llama 3.2: 32); used with rope_scaling."""
+
+    yarn_rotary_scaling_factor: float = 1.0
+    """YaRN: how many times longer than yarn_original_max_position_embeddings the context is stretched (GPT-OSS: 32)."""
+
+    yarn_original_max_position_embeddings: int = 4096
+    """YaRN: the context length the model was pretrained at, which sets the interpolated band of frequencies."""
+
+    yarn_beta_fast: float = 32.0
+    """YaRN: frequencies that turn more than this many times over the original context are kept (extrapolated)."""
+
+    yarn_beta_slow: float = 1.0
+    """YaRN: frequencies that turn fewer than this many times over the original context are divided by the factor."""
+
+    yarn_mscale: float = 1.0
+    """YaRN: cos/sin scale (0.1 * yarn_mscale * ln(factor) + 1) / (0.1 * yarn_mscale_all_dim * ln(factor) + 1), as transformers' mscale."""
+
+    yarn_mscale_all_dim: float = 0.0
+    """YaRN: the denominator's weight in that scale (0: transformers' default attention factor 0.1 * ln(factor) + 1)."""
+
+    yarn_correction_range_round_to_int: bool = True
+    """YaRN: round the band's edges to whole dimensions (transformers' truncate; GPT-OSS: false)."""
 
     local_rotary_base: Optional[int] = None
     """RoPE base of the sliding-window layers (Gemma 3: 10000), which take no RoPE scaling; None: rotary_base in every layer."""
@@ -105,6 +141,7 @@ class GPTModelProvider(MLATransformerConfig):
             TransformerConfig.__post_init__(self)
         if self.qk_layernorm_across_heads:
             self._check_qk_layernorm_across_heads()
+        self._check_yarn()
 
     def _check_qk_layernorm_across_heads(self) -> None:
         if not self.qk_layernorm or self.multi_latent_attention or self.normalization != "RMSNorm":
@@ -113,6 +150,21 @@ class GPTModelProvider(MLATransformerConfig):
         if (self.num_query_groups or self.num_attention_heads) % self.tensor_model_parallel_size:
             raise ValueError("qk_layernorm_across_heads needs num_query_groups to be a multiple of "
                              "tensor_model_parallel_size (each rank normalises the key heads it holds)")
+
+    def _check_yarn(self) -> None:
+        # megatron-core's attention scales cos/sin by the yarn_* fields whatever position_embedding_type is,
+        # and its YaRN table ignores the other RoPE options: refuse what would not be computed as set
+        if self.position_embedding_type != "yarn":
+            changed = [name for name, default in YARN_DEFAULTS.items() if getattr(self, name) != default]
+            if changed:
+                raise ValueError(f"{changed[0]} applies to position_embedding_type=yarn only, and it is "
+                                 f"{self.position_embedding_type}")
+            return
+        for name, (wanted, why) in YARN_EXCLUDES.items():
+            if getattr(self, name) != wanted:
+                raise ValueError(f"position_embedding_type=yarn needs {name}={wanted}: {why}")
+        if self.yarn_rotary_scaling_factor <= 0 or self.yarn_original_max_position_embeddings < 1:
+            raise ValueError("yarn_rotary_scaling_factor and yarn_original_max_position_embeddings must be positive")
 
     @property
     def padded_vocab_size(self) -> int:

@@ -13,7 +13,8 @@
 :mod:`bridge_cli.models.projection_norm`'s (OLMoE's norm of the whole projection).
 
 ``model.moe_grouped_gemm=true`` on ``local`` and ``torch`` runs the experts as grouped GEMMs
-(:mod:`bridge_cli.models.moe_experts`) instead of megatron-core's per-expert ``SequentialMLP``.
+(:mod:`bridge_cli.models.moe_experts`) instead of megatron-core's per-expert ``SequentialMLP``;
+``SequentialMLP`` experts with biases get :mod:`bridge_cli.models.expert_linear`'s ``linear_fc2``.
 
 ``model.fp8`` on ``local`` and ``torch`` runs the attention and MLP linears as FP8 GEMMs
 (:mod:`bridge_cli.models.fp8_linear`).
@@ -105,6 +106,8 @@ def layer_spec(name: str, config: TransformerConfig, vp_stage: Optional[int] = N
             layer.submodules.self_attention.submodules.core_attention = TorchAttention
         if config.moe_grouped_gemm:
             _use_grouped_gemm_experts(layer)
+        elif config.num_moe_experts and config.add_bias_linear:
+            _use_biased_expert_linears(layer)
         if config.fp8:
             _use_fp8_linears(layer, config)
     return _use_layer_options(spec, layers, config, vp_stage)
@@ -217,6 +220,16 @@ def _use_grouped_gemm_experts(layer: ModuleSpec) -> None:
     submodules = _submodules(layer.submodules.mlp)
     if submodules is not None and hasattr(submodules, "experts"):
         submodules.experts = GroupedGemmExperts
+
+
+def _use_biased_expert_linears(layer: ModuleSpec) -> None:
+    """Give an MoE layer spec's SequentialMLP experts :class:`ExpertRowParallelLinear` as ``linear_fc2``,
+    so that their biases train (:mod:`bridge_cli.models.expert_linear`); dense layers stay."""
+    from bridge_cli.models.expert_linear import ExpertRowParallelLinear
+
+    experts = getattr(_submodules(layer.submodules.mlp), "experts", None)
+    if experts is not None:
+        experts.submodules.linear_fc2 = ExpertRowParallelLinear
 
 
 def _check_sequence_parallel(name: str, spec: ModuleSpec, config: TransformerConfig) -> None:

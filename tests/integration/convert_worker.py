@@ -1,10 +1,10 @@
 """Logits of bridge checkpoints under given tensor- and expert-parallel sizes; run alone or under torchrun.
 
-Used by test_convert_hf.py. For each ``--tp`` size, each ``--ep`` size (at TP=1, mixture-of-experts
-checkpoints only) and each ``--ckpt NAME=DIR``, the model of the checkpoint's run_config.yaml is
-built for that layout, the checkpoint is loaded into it (megatron-core reshards it), and rank 0
-writes the logits of the tokens in ``--tokens`` over the real vocabulary (padding rows dropped) to
-``OUT/NAME_tp<N>.pt`` (``OUT/NAME_ep<N>.pt``). With ``--resave``, each checkpoint loaded at the
+Used by test_convert_hf.py. For each ``--tp`` size (experts split as the attention is, biased ones
+not), each ``--ep`` size (at TP=1, mixture-of-experts checkpoints only) and each ``--ckpt NAME=DIR``,
+the model of the checkpoint's run_config.yaml is built for that layout, the checkpoint is loaded
+into it (megatron-core reshards it), and rank 0 writes the logits of the tokens in ``--tokens`` over
+the real vocabulary (padding rows dropped) to ``OUT/NAME_tp<N>.pt`` (``OUT/NAME_ep<N>.pt``). With ``--resave``, each checkpoint loaded at the
 largest TP size, and each loaded at an EP size, is saved again under ``OUT/NAME_tp<N>_saved``
 (``_ep<N>_saved``) in that layout (its tensors split across the ranks), for export to read back.
 One launch serves every checkpoint, since starting the processes costs far more than the models.
@@ -38,16 +38,25 @@ def main() -> None:
     checkpoints = {name: layout.require_checkpoint(Path(folder)).path
                    for name, folder in (item.split("=", 1) for item in args.ckpt)}
     for tp in args.tp:
-        mcore_io.init_process(tp)
-        for name, path in checkpoints.items():
-            run(name, path, tokens, args.out, f"tp{tp}", args.resave and tp == max(args.tp),
-                tensor_model_parallel_size=tp)
+        for etp in sorted({expert_tp(path, tp) for path in checkpoints.values()}):
+            mcore_io.init_process(tp, expert_tensor_parallel_size=etp)
+            for name, path in checkpoints.items():
+                if expert_tp(path, tp) == etp:
+                    run(name, path, tokens, args.out, f"tp{tp}", args.resave and tp == max(args.tp),
+                        tensor_model_parallel_size=tp, expert_tensor_parallel_size=etp)
     for ep in args.ep:
         mcore_io.init_process(1, ep)
         for name, path in checkpoints.items():
             if mcore_io.saved_model_values(path).get("num_moe_experts"):
                 run(name, path, tokens, args.out, f"ep{ep}", args.resave, expert_model_parallel_size=ep)
     dist.barrier()
+
+
+def expert_tp(path: Path, tp: int) -> int:
+    """The expert tensor-parallel size to load checkpoint ``path`` at under TP ``tp``: the same, but 1 for
+    experts with biases (GPT-OSS), which megatron-core computes at expert TP 1 only."""
+    model = mcore_io.saved_model_values(path)
+    return 1 if model.get("num_moe_experts") and model.get("add_bias_linear") else tp
 
 
 def run(name: str, path: Path, tokens: torch.Tensor, out: Path, layout_name: str, resave_it: bool, **sizes) -> None:

@@ -1,6 +1,6 @@
 """Gemma-style model options (zero-centred RMSNorm, post-sublayer norms, a RoPE base of the sliding-window
-layers, scaled embeddings), the gemma3_text family's reading of config.json, and gpt_oss's refusal. The
-whole model against transformers' Gemma 3 is tests/integration/test_convert_hf.py."""
+layers, scaled embeddings) and the gemma3_text family's reading of config.json. The whole model against
+transformers' Gemma 3 is tests/integration/test_convert_hf.py."""
 
 from __future__ import annotations
 
@@ -104,13 +104,3 @@ def test_what_megatron_core_cannot_compute_is_refused(change, fragment):
 ])
 def test_options_a_spec_cannot_build_are_refused(cli, args, fragments):
     assert_user_error(cli("config", "validate", "recipe=tiny", *args), *fragments)
-
-
-def test_gpt_oss_is_refused_saying_what_is_missing():
-    from bridge_cli.convert.families import for_import
-
-    with pytest.raises(CheckpointError) as error:
-        for_import({"model_type": "gpt_oss"}, WHERE)
-    message = str(error.value)
-    assert "model_type 'gpt_oss' is not converted yet" in message and "YaRN RoPE" in message
-    assert "Supported: llama" in message and "gemma3_text" in message

@@ -40,6 +40,10 @@ def test_list_valued_moe_fields_reach_megatron_core(cli):
     (["model.expert_model_parallel_size=3", "train.global_batch_size=12", "--world-size", "3"], ["model.expert_model_parallel_size: 3 does not divide"]),
     (["model.expert_model_parallel_size=4", "--world-size", "2"], ["does not divide the world size (2)"]),
     (["model.tensor_model_parallel_size=2", "--world-size", "2"], ["model.sequence_parallel", "must be true"]),
+    # each TP rank's experts would learn from its own tokens only (megatron-core sums them across EP layouts)
+    (["model.tensor_model_parallel_size=2", "model.sequence_parallel=true", "model.expert_tensor_parallel_size=1",
+      "--world-size", "2"], ["model.expert_tensor_parallel_size: 1 is below model.tensor_model_parallel_size (2) "
+                             "with model.expert_model_parallel_size=1", "model.expert_model_parallel_size to 2"]),
 ])
 def test_moe_config_errors(cli, args, fragments):
     assert_user_error(cli("pretrain", *MOE, *args, "--dry-run"), *fragments)

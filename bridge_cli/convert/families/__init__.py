@@ -15,6 +15,7 @@ from bridge_cli.checkpoint.errors import CheckpointError
 from bridge_cli.config.errors import ConfigError
 from bridge_cli.convert.families.gemma2 import Gemma2
 from bridge_cli.convert.families.gemma3 import Gemma3
+from bridge_cli.convert.families.gpt_oss import GptOss
 from bridge_cli.convert.families.llama import Llama
 from bridge_cli.convert.families.llama_like import LlamaLike
 from bridge_cli.convert.families.mistral import Mistral
@@ -28,19 +29,15 @@ from bridge_cli.convert.hf_config import unsupported
 
 FAMILIES: dict[str, LlamaLike] = {family.model_type: family
                                   for family in (Llama(), Mistral(), Qwen2(), Qwen3(), Phi3(),
-                                                 Mixtral(), Qwen3Moe(), Olmoe(), Gemma3(), Gemma2())}
+                                                 Mixtral(), Qwen3Moe(), Olmoe(), Gemma3(), Gemma2(), GptOss())}
 """model_type -> its family, in the order export tries them."""
 
 INFERRED = ("llama", "qwen2", "qwen3", "phi3",
-            "mixtral", "qwen3_moe", "olmoe", "gemma3_text", "gemma2")
+            "mixtral", "qwen3_moe", "olmoe", "gemma3_text", "gemma2", "gpt_oss")
 """The families export picks without --model-type."""
 
 
 REFUSED = {
-    "gpt_oss": ("GPT-OSS's attention (learned sinks, alternating sliding windows) is there (model.softmax_type=learnable, "
-                "model.window_attn_skip_freq), but its YaRN RoPE (megatron-core's position_embedding_type=yarn) is "
-                "not a model.position_embedding_type bridge builds, and its experts' biases and interleaved gate/up "
-                "projections have no tensor mapping yet; bridge refuses rather than convert it approximately"),
     "deepseek_v3": ("its multi-latent attention needs Transformer Engine in megatron-core, and conversion builds the "
                     "model without it (one CPU process, torch layer spec): megatron-core's MLASelfAttention fails "
                     "to build there (0.16 tests its projection against TE's TELinear, a placeholder when TE is "
@@ -87,8 +84,8 @@ def for_export(model: Mapping[str, Any], model_type: Optional[str], where: Path)
     closest = min((FAMILIES[name] for name in INFERRED), key=lambda family: len(family.differences(model)))
     raise CheckpointError(
         f"{where}: export-hf writes Llama-style models ({supported()}: RMSNorm, SwiGLU, RoPE, no linear biases "
-        f"except Qwen2's on q/k/v), and this checkpoint's model has {', '.join(closest.differences(model))} "
-        f"(differences from the closest family, {closest.model_type}).")
+        f"except Qwen2's on q/k/v and GPT-OSS's), and this checkpoint's model has "
+        f"{', '.join(closest.differences(model))} (differences from the closest family, {closest.model_type}).")
 
 
 def listing() -> list[str]:

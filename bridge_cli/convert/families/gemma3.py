@@ -29,13 +29,12 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from bridge_cli.convert.families.llama_like import LLAMA_STYLE, LlamaLike
+from bridge_cli.convert.families.windows import layer_types, window_config, window_fields
 from bridge_cli.convert.hf_config import unsupported
 from bridge_cli.convert.hf_weights import Architecture, Pair
 
 ACTIVATION = "gelu_pytorch_tanh"
 """The GELU Gemma 3 uses: its tanh approximation, which megatron-core's fast_gelu computes."""
-
-LAYER_TYPES = ("sliding_attention", "full_attention")
 
 
 class Gemma3(LlamaLike):
@@ -66,14 +65,8 @@ class Gemma3(LlamaLike):
                   "scale_embeddings": True, "softmax_scale": float(hf.get("query_pre_attn_scalar", 256)) ** -0.5,
                   "share_embeddings_and_output_weights": bool(hf.get("tie_word_embeddings", True)),
                   **{key: _soft_cap(hf.get(key, default), key, where) for key, default in self.softcap_defaults.items()}}
-        layers = _layer_types(hf, fields["num_layers"], where, self.window_pattern)
-        if "sliding_attention" in layers:
-            window = hf.get("sliding_window")
-            if not isinstance(window, int) or window < 1:
-                unsupported(where, f"sliding_window {window!r} with sliding-window layers: a positive integer is needed")
-            fields["window_size"] = [window - 1, 0]
-            fields["window_attn_skip_freq"] = [int(kind == "sliding_attention") for kind in layers]
-        return fields
+        layers = layer_types(hf, fields["num_layers"], where, self.window_pattern)
+        return {**fields, **window_fields(hf, layers, where)}
 
     def activation(self, hf: Mapping[str, Any], where: Path) -> str:
         act = hf.get("hidden_activation") or hf.get("hidden_act") or ACTIVATION
@@ -112,7 +105,6 @@ class Gemma3(LlamaLike):
         return config
 
     def hf_extras(self, model: Mapping[str, Any]) -> dict[str, Any]:
-        windowed = [_windowed(model, n) for n in range(1, model["num_layers"] + 1)]
         scale = model["softmax_scale"]
         scalar = model["kv_channels"] if scale is None else scale ** -2
         factor = model["seq_len_interpolation_factor"]
@@ -120,8 +112,7 @@ class Gemma3(LlamaLike):
         return {
             "hidden_activation": ACTIVATION,
             "query_pre_attn_scalar": round(scalar) if abs(scalar - round(scalar)) < 1e-6 * scalar else scalar,
-            "sliding_window": model["window_size"][0] + 1 if any(windowed) else None,
-            "layer_types": [LAYER_TYPES[0] if w else LAYER_TYPES[1] for w in windowed],
+            **window_config(model),
             "rope_local_base_freq": float(model["rotary_base"] if local_base is None else local_base),
             "rope_scaling": None if factor is None else {"rope_type": "linear", "factor": float(factor)},
             "attention_bias": False,
@@ -139,18 +130,6 @@ class Gemma3(LlamaLike):
                 Pair(m + "pre_mlp_layernorm.weight", ((p + "pre_feedforward_layernorm.weight", (h,)),)),
                 *self.mlp_pairs(arch, m + "mlp.", p + "mlp."),
                 Pair(m + "mlp_bda.norm.weight", ((p + "post_feedforward_layernorm.weight", (h,)),))]
-
-
-def _layer_types(hf: Mapping[str, Any], count: int, where: Path, pattern: int) -> list[str]:
-    """Each layer's kind: config.json's ``layer_types``, else all but every ``sliding_window_pattern``-th windowed."""
-    layers = hf.get("layer_types")
-    if layers is None:
-        pattern = hf.get("sliding_window_pattern", pattern)
-        layers = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(count)]
-    if not isinstance(layers, list) or len(layers) != count or any(kind not in LAYER_TYPES for kind in layers):
-        unsupported(where, f"layer_types {layers!r}: one of {', '.join(LAYER_TYPES)} per layer "
-                           f"(num_hidden_layers {count}) is needed")
-    return layers
 
 
 def _rope_parameters(hf: Mapping[str, Any]) -> tuple[dict, dict]:
@@ -176,11 +155,3 @@ def integer_theta(theta: Any, key: str, where: Path) -> int:
         unsupported(where, f"{key} {theta!r}: megatron-core's RoPE base is an integer")
     return int(theta)
 
-
-def _windowed(model: Mapping[str, Any], layer_number: int) -> bool:
-    """Whether layer ``layer_number`` (1-based) of the model (its YAML values) has the sliding window."""
-    from megatron.core.transformer.utils import is_layer_window_attention
-
-    window = model["window_size"]
-    return window is not None and window[0] >= 0 and is_layer_window_attention(
-        window, model["window_attn_skip_freq"], layer_number)
