@@ -20,6 +20,11 @@ def mtp_losses(output: str) -> list[tuple[float, float]]:
     return [(float(a), float(b)) for a, b in re.findall(r"\| mtp_1 loss ([0-9.]+) \| mtp_2 loss ([0-9.]+) ", output)]
 
 
+def flat(pairs: list[tuple[float, float]]) -> list[float]:
+    """pytest.approx compares flat sequences only (newer pytest refuses nested ones)."""
+    return [x for pair in pairs for x in pair]
+
+
 @pytest.fixture(scope="module")
 def one_process():
     result = bridge("pretrain", *RUN)
@@ -41,7 +46,7 @@ def test_tensor_parallel_two_reproduces_the_mtp_curves(one_process):
     result = torchrun(2, "pretrain", *RUN, "model.tensor_model_parallel_size=2")
     assert result.returncode == 0, result.stderr[-3000:]
     assert losses(result.stdout) == pytest.approx(losses(one_process), rel=1e-4)
-    assert mtp_losses(result.stdout) == pytest.approx(mtp_losses(one_process), rel=1e-4)
+    assert flat(mtp_losses(result.stdout)) == pytest.approx(flat(mtp_losses(one_process)), rel=1e-4)
 
 
 def test_mtp_weights_resume_from_a_checkpoint(one_process, tmp_path):
@@ -49,4 +54,4 @@ def test_mtp_weights_resume_from_a_checkpoint(one_process, tmp_path):
     assert first.returncode == 0, first.stderr[-3000:]
     resumed = bridge("pretrain", *RUN, f"checkpoint.save={tmp_path}")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert mtp_losses(resumed.stdout) == pytest.approx(mtp_losses(one_process)[3:], rel=1e-5)
+    assert flat(mtp_losses(resumed.stdout)) == pytest.approx(flat(mtp_losses(one_process)[3:]), rel=1e-5)
