@@ -4,15 +4,11 @@ from __future__ import annotations
 
 import copy
 import math
+import dataclasses
 from dataclasses import dataclass
 from typing import Literal, Optional
 
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
-
-YARN_DEFAULTS = {"yarn_rotary_scaling_factor": 1.0, "yarn_original_max_position_embeddings": 4096,
-                 "yarn_beta_fast": 32.0, "yarn_beta_slow": 1.0, "yarn_mscale": 1.0, "yarn_mscale_all_dim": 0.0,
-                 "yarn_correction_range_round_to_int": True}
-"""The yarn_* fields' defaults: megatron-core's YarnRotaryEmbedding's, whose cos/sin scale is then 1."""
 
 YARN_EXCLUDES = {
     "multi_latent_attention": (False, "multi-latent attention has its own YaRN (rope_type=yarn)"),
@@ -155,7 +151,9 @@ class GPTModelProvider(MLATransformerConfig):
         # megatron-core's attention scales cos/sin by the yarn_* fields whatever position_embedding_type is,
         # and its YaRN table ignores the other RoPE options: refuse what would not be computed as set
         if self.position_embedding_type != "yarn":
-            changed = [name for name, default in YARN_DEFAULTS.items() if getattr(self, name) != default]
+            # the yarn_* defaults are megatron-core YarnRotaryEmbedding's, whose cos/sin scale is then 1
+            changed = [f.name for f in dataclasses.fields(GPTModelProvider)
+                       if f.name.startswith("yarn_") and getattr(self, f.name) != f.default]
             if changed:
                 raise ValueError(f"{changed[0]} applies to position_embedding_type=yarn only, and it is "
                                  f"{self.position_embedding_type}")

@@ -6,9 +6,9 @@ from typing import Optional
 
 import torch
 
-DEFAULT_TRACE_DIR = "torch_profile"
-
 from bridge_cli.config.runtime_configs import ProfilingConfig
+
+DEFAULT_TRACE_DIR = "torch_profile"
 
 
 class StepProfiler:
