@@ -12,6 +12,9 @@ import pytest
 from tests.conftest import bridge
 from tests.integration.test_pretrain_cpu import losses
 
+# separate processes agree to the last printed digit, give or take one: CI once logged 6.180784 for a loss
+# that the other runs of the same command logged as 6.180785
+SAME_LOSSES = {"rel": 1e-6}
 RUN = ["recipe=tiny", "train.train_iters=6", "logger.log_interval=1", "train.eval_iters=0"]
 VALIDATE = ["rerun_state_machine.rerun_mode=validate_results"]
 INJECT = VALIDATE + ["rerun_state_machine.error_injection_rate=1"]  # every validation from the second step on
@@ -43,7 +46,7 @@ def test_a_transient_spiky_loss_is_rerun_and_training_goes_on_with_the_same_loss
                         r"([-\d.e+]+)\)", result.stderr)
     assert len(reruns) == 5 and all(rerun == first for rerun, first in reruns), reruns
     assert "Possible transient error" in result.stderr
-    assert losses(result.stdout) == uninterrupted
+    assert losses(result.stdout) == pytest.approx(uninterrupted, **SAME_LOSSES)
 
 
 @pytest.mark.slow
@@ -57,7 +60,7 @@ def test_a_transient_nan_check_fault_stops_with_17_and_the_run_resumes(tmp_path,
     resumed = bridge("pretrain", *RUN, *VALIDATE, *save)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     curve = losses(resumed.stdout)
-    assert curve == uninterrupted[-len(curve):] and len(curve) >= 5
+    assert curve == pytest.approx(uninterrupted[-len(curve):], **SAME_LOSSES) and len(curve) >= 5
 
 
 @pytest.mark.slow
@@ -85,4 +88,4 @@ def test_a_persistent_fault_saves_and_exits_16_for_a_rerun_elsewhere(tmp_path, u
     assert on.returncode == 0, on.stderr[-3000:]
     assert "was saved to re-run iteration 2 on another GPU; rerun_state_machine.rerun_mode=disabled trains on" \
            in on.stdout
-    assert losses(on.stdout) == uninterrupted[1:]
+    assert losses(on.stdout) == pytest.approx(uninterrupted[1:], **SAME_LOSSES)
