@@ -98,7 +98,8 @@ class TrainingConfig:
     """Batch-size ramp-up as [start, increment, ramp-up samples], e.g. [16, 8, 300000]."""
 
     decrease_batch_size_if_needed: bool = False
-    """Shrink the global batch size when micro_batch_size * data-parallel size does not divide it."""
+    """Round the global batch size down to a multiple of micro_batch_size * data-parallel size when that does
+    not divide it, instead of refusing it (the log's start-up line shows the batch that runs)."""
 
     empty_unused_memory_level: int = one_of(0, 0, 1, 2)
     """Call torch.cuda.empty_cache() each iteration: 0 off, 1 moderate, 2 aggressive."""

@@ -147,11 +147,41 @@ def build_data_iterators(cfg: ConfigContainer, state: GlobalState, n_chunks: int
             iterators(valid_ds, ts.consumed_valid_samples), iterators(test_ds, 0))
 
 
+def init_microbatch_calculator(rank: int, rampup: Optional[list[int]], global_batch: int, micro_batch: int,
+                               data_parallel: int) -> None:
+    """megatron-core's micro-batch calculator, ramping the batch up as ``train.rampup_batch_size`` says.
+
+    megatron-core 0.19 ignores ``rampup_batch_size`` (deprecated for ``step_batch_size_schedule``):
+    where the calculator takes a step schedule, the ramp is given as the steps it makes. The global
+    batch is already a multiple of micro batch x data-parallel size (validation rounds it down when
+    ``train.decrease_batch_size_if_needed`` asks), so nothing is left to decrease here.
+    """
+    import inspect
+
+    from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
+
+    if rampup and "step_batch_size_schedule" in inspect.signature(init_num_microbatches_calculator).parameters:
+        init_num_microbatches_calculator(rank, None, global_batch, micro_batch, data_parallel,
+                                         step_batch_size_schedule=rampup_steps(rampup, global_batch))
+    else:
+        init_num_microbatches_calculator(rank, rampup, global_batch, micro_batch, data_parallel)
+
+
+def rampup_steps(rampup: list[int], global_batch: int) -> str:
+    """Megatron-LM's ramp [start, increment, samples] as a step schedule "SAMPLES:BATCH ...": the
+    batch grows by the increment each samples / increments consumed samples, reaching the global batch
+    once all ramp-up samples are consumed (the first consumed count at or past each step's start)."""
+    start, increment, samples = rampup
+    increments = (global_batch - start) // increment
+    steps: dict[int, int] = {}
+    for k in range(increments + 1):
+        steps[-(-k * samples // increments)] = start + k * increment  # a later step at the same count wins
+    return " ".join(f"{threshold}:{batch}" for threshold, batch in steps.items())
+
+
 def initialize(state: GlobalState):
     """Process groups, the validated config for this world, seeds, timers (the straggler detector's too) and
     the micro-batch calculator."""
-    from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
-
     from bridge_cli.logging.python_logging import configure_python_logging
     from bridge_cli.logging.stragglers import start_straggler_detector
     from bridge_cli.logging.timers import build_timers
@@ -180,9 +210,8 @@ def initialize(state: GlobalState):
     # megatron-core's schedules, grad finalization and optimizer time themselves through these.
     state.timers = derived.model.timers = cfg.optimizer.timers = build_timers(cfg.logger)
     state.straggler_timer = start_straggler_detector(cfg.straggler)
-    init_num_microbatches_calculator(runtime.rank, cfg.train.rampup_batch_size, derived.global_batch_size,
-                                     cfg.train.micro_batch_size, derived.data_parallel_size,
-                                     cfg.train.decrease_batch_size_if_needed)
+    init_microbatch_calculator(runtime.rank, cfg.train.rampup_batch_size, derived.global_batch_size,
+                               cfg.train.micro_batch_size, derived.data_parallel_size)
     if runtime.rank == runtime.world_size - 1:  # the rank that prints the log
         vocab, padded = derived.vocab_size, derived.padded_vocab_size  # Megatron-LM's line, so logs compare
         print(f" > padded vocab (size: {vocab}) with {padded - vocab} dummy tokens (new size: {padded})", flush=True)

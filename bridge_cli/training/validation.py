@@ -45,7 +45,8 @@ class Derived:
     num_microbatches: int
     """global batch / (micro batch x data-parallel size)."""
     global_batch_size: int
-    """train.global_batch_size, or micro batch x data-parallel size when that is unset."""
+    """train.global_batch_size (rounded down to a multiple of micro batch x data-parallel size with
+    train.decrease_batch_size_if_needed), or that product when it is unset."""
     vocab_size: int
     """The tokenizer's vocabulary (model.vocab_size for the null tokenizer)."""
     padded_vocab_size: int
@@ -253,22 +254,37 @@ def _batches(train, dp: int) -> tuple[int, int]:
         raise ConfigError("train.micro_batch_size", "must be >= 1.")
     per_step = train.micro_batch_size * dp
     global_batch = train.global_batch_size if train.global_batch_size is not None else per_step
+    if train.decrease_batch_size_if_needed and global_batch >= per_step:
+        global_batch -= global_batch % per_step
     if global_batch < 1 or global_batch % per_step:
         raise ConfigError(
             "train.global_batch_size",
             f"{global_batch} is not a multiple of micro batch ({train.micro_batch_size}) "
             f"x data-parallel size ({dp}) = {per_step}.",
-            f"Use a multiple of {per_step}, e.g. train.global_batch_size={max(per_step, global_batch // per_step * per_step)}.",
+            f"Use a multiple of {per_step}, e.g. train.global_batch_size={max(per_step, global_batch // per_step * per_step)}, "
+            "or set train.decrease_batch_size_if_needed=true to round it down.",
         )
     if train.rampup_batch_size:
-        if len(train.rampup_batch_size) != 3:
-            raise ConfigError("train.rampup_batch_size", f"needs 3 numbers, got {train.rampup_batch_size}.",
-                              "Write [start batch, increment, ramp-up samples], e.g. [16,16,300000].")
-        start, increment, _ = train.rampup_batch_size
-        if start % per_step or increment % per_step:
-            raise ConfigError("train.rampup_batch_size", f"start ({start}) and increment ({increment}) must be "
-                              f"multiples of micro batch x data-parallel size ({per_step}).")
+        _check_rampup(train.rampup_batch_size, per_step, global_batch)
     return global_batch, global_batch // per_step
+
+
+def _check_rampup(rampup, per_step: int, global_batch: int) -> None:
+    if len(rampup) != 3:
+        raise ConfigError("train.rampup_batch_size", f"needs 3 numbers, got {rampup}.",
+                          "Write [start batch, increment, ramp-up samples], e.g. [16,16,300000].")
+    start, increment, samples = rampup
+    if min(start, increment, samples) < 1:
+        raise ConfigError("train.rampup_batch_size", f"start ({start}), increment ({increment}) and ramp-up "
+                          f"samples ({samples}) must each be >= 1.")
+    if start % per_step or increment % per_step:
+        raise ConfigError("train.rampup_batch_size", f"start ({start}) and increment ({increment}) must be "
+                          f"multiples of micro batch x data-parallel size ({per_step}).")
+    if start >= global_batch or (global_batch - start) % increment:
+        raise ConfigError("train.rampup_batch_size", f"a ramp from {start} by {increment} does not end at "
+                          f"train.global_batch_size ({global_batch}).",
+                          "The start must be below the global batch and their difference a multiple of the "
+                          "increment; without a ramp, unset train.rampup_batch_size.")
 
 
 def _check_sequence_length(cfg) -> None:

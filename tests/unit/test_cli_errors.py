@@ -35,6 +35,11 @@ def assert_user_error(result, *fragments: str) -> None:
     (["profiling.use_pytorch_profiler=true", "profiling.use_nsys_profiler=true"], ["profiling."]),
     (["train.train_iters=[1"], ["cannot parse override"]),
     (["train.rampup_batch_size=[2,2,100]"], ["train.rampup_batch_size", "multiples of micro batch"]),
+    # megatron-core's own asserts (a traceback) or a division by zero without these
+    (["train.global_batch_size=32", "train.rampup_batch_size=[8,16,96]"], ["train.rampup_batch_size", "does not end at"]),
+    (["train.global_batch_size=32", "train.rampup_batch_size=[32,8,96]"], ["train.rampup_batch_size", "does not end at"]),
+    (["train.global_batch_size=32", "train.rampup_batch_size=[0,8,96]"], ["train.rampup_batch_size", ">= 1"]),
+    (["train.global_batch_size=32", "train.rampup_batch_size=[8,8,0]"], ["train.rampup_batch_size", ">= 1"]),
 ])
 def test_config_errors(cli, args, fragments):
     assert_user_error(cli("config", "validate", *args), *fragments)

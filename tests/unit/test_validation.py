@@ -69,6 +69,15 @@ def test_validation_never_writes_the_config():
         derived.world_size = 4  # frozen
 
 
+def test_decrease_batch_size_if_needed_rounds_the_global_batch_down():
+    from bridge_cli.config.compose import compose
+    from bridge_cli.training.config import ConfigContainer
+
+    overrides = ["train.global_batch_size=14", "train.decrease_batch_size_if_needed=true"]
+    derived = ConfigContainer.from_yaml_dict(compose("tiny", overrides)).validate(2, "cpu")
+    assert (derived.global_batch_size, derived.num_microbatches) == (8, 1)  # micro batch 4 x DP 2
+
+
 # Issue 22's values that passed validation and crashed, hung or trained silently later.
 OUT_OF_RANGE = [
     ("optimizer.lr=nan", "optimizer.lr: must be a finite number >= 0, got nan"),
