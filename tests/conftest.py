@@ -31,6 +31,16 @@ def cli():
     return invoke
 
 
+@pytest.fixture(scope="module")
+def one_process():
+    """This process as a world of one (gloo, every parallel size 1), for building models in-process."""
+    from bridge_cli.runtime.distributed import destroy_distributed, init_distributed
+
+    init_distributed("gloo", 1, 1, 1)
+    yield
+    destroy_distributed()
+
+
 def run(*args: str, timeout: int = 600, env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
     """Run a command (e.g. `bridge pretrain ...`) as a user would, capturing its output."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}

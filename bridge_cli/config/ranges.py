@@ -47,7 +47,7 @@ MAX_ITERATIONS = 10**10
 RANGES: dict[str, Range] = {
     "model.num_layers": AT_LEAST_1, "model.hidden_size": AT_LEAST_1, "model.num_attention_heads": AT_LEAST_1,
     "model.num_query_groups": AT_LEAST_1, "model.ffn_hidden_size": AT_LEAST_1, "model.kv_channels": AT_LEAST_1,
-    "model.seq_length": AT_LEAST_1, "model.vocab_size": AT_LEAST_1, "model.make_vocab_size_divisible_by": AT_LEAST_1,
+    "model.seq_length": AT_LEAST_1, "model.linear_cross_entropy_chunk": AT_LEAST_1, "model.vocab_size": AT_LEAST_1, "model.make_vocab_size_divisible_by": AT_LEAST_1,
     "model.hidden_dropout": PROBABILITY, "model.attention_dropout": PROBABILITY, "model.init_method_std": AT_LEAST_0,
     "model.layernorm_epsilon": POSITIVE, "model.rotary_base": POSITIVE, "model.rotary_percent": Range(0, 1, low_open=True),
     "model.tensor_model_parallel_size": AT_LEAST_1, "model.pipeline_model_parallel_size": AT_LEAST_1,

@@ -9,8 +9,10 @@ as if it ran alone; the layers apply the ``[s, b, 1, d]`` table as they apply th
 
 ``model.scale_embeddings`` multiplies the input embeddings by sqrt(hidden_size) (Gemma),
 ``model.local_rotary_base`` gives the sliding-window layers a rotary table of their own
-(:mod:`~bridge_cli.models.local_rope`), and ``model.final_logit_softcapping`` soft-caps the output
-logits (Gemma 2), on each tensor-parallel rank's share of the vocabulary. Everything else, state-dict keys included, is megatron-core's.
+(:mod:`~bridge_cli.models.local_rope`), ``model.final_logit_softcapping`` soft-caps the output
+logits (Gemma 2), on each tensor-parallel rank's share of the vocabulary, and
+``model.fused_linear_cross_entropy`` computes the loss without the whole logits
+(:mod:`~bridge_cli.models.linear_cross_entropy`). Everything else, state-dict keys included, is megatron-core's.
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ from bridge_cli.models.attention.masks import DocumentParams
 
 class GPTModel(MCoreGPTModel):
     """``GPTModel`` whose RoPE follows ``DocumentParams.rope_positions`` when a batch carries them, with
-    ``model.local_rotary_base``, ``model.scale_embeddings`` and ``model.final_logit_softcapping`` when its
-    config sets them."""
+    ``model.local_rotary_base``, ``model.scale_embeddings``, ``model.final_logit_softcapping`` and
+    ``model.fused_linear_cross_entropy`` when its config sets them."""
 
     def __init__(self, config, *args, **kwargs):
         super().__init__(config, *args, **kwargs)
@@ -39,8 +41,56 @@ class GPTModel(MCoreGPTModel):
                 use_cpu_initialization=config.use_cpu_initialization, cp_group=self.pg_collection.cp)
         if getattr(config, "scale_embeddings", False) and hasattr(self, "embedding"):
             self.embedding.register_forward_hook(_scale_by_sqrt_hidden)
-        if getattr(config, "final_logit_softcapping", None) and hasattr(self, "output_layer"):
+        self._fused_loss = bool(getattr(config, "fused_linear_cross_entropy", False)) and hasattr(self, "output_layer")
+        self._defer = False  # set for one forward that has labels
+        self._deferred: list = []  # (hidden states, weight) the output layer handed on unprojected
+        if self._fused_loss:
+            self.output_layer.forward = self._defer_projection(self.output_layer.forward)
+        elif getattr(config, "final_logit_softcapping", None) and hasattr(self, "output_layer"):
             self.output_layer.register_forward_hook(_soft_cap_logits)
+
+    def forward(self, *args, **kwargs):
+        # with labels, the loss is all the last stage returns: its logits need never exist whole
+        labels = kwargs["labels"] if "labels" in kwargs else (args[4] if len(args) > 4 else None)
+        self._defer = self._fused_loss and labels is not None
+        try:
+            return super().forward(*args, **kwargs)
+        finally:
+            self._defer = False
+            self._deferred.clear()
+
+    def _defer_projection(self, project):
+        """The output layer's forward, which under ``_defer`` hands on its input, as the projection
+        would see it (gathered over the sequence, its gradient summed over tensor-parallel ranks),
+        for compute_language_model_loss to project chunk by chunk."""
+        from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region, \
+            gather_from_sequence_parallel_region
+
+        def forward(hidden_states, weight=None, runtime_gather_output=None):
+            if not self._defer:
+                return project(hidden_states, weight=weight, runtime_gather_output=runtime_gather_output)
+            tp = self.pg_collection.tp
+            if self.output_layer.sequence_parallel:
+                hidden_states = gather_from_sequence_parallel_region(hidden_states, group=tp)
+            elif tp.size() > 1:
+                hidden_states = copy_to_tensor_model_parallel_region(hidden_states, group=tp)
+            self._deferred.append((hidden_states, self.output_layer.weight if weight is None else weight))
+            return hidden_states, None
+
+        return forward
+
+    def compute_language_model_loss(self, labels, logits):
+        deferred = next((weight for hidden, weight in self._deferred if hidden is logits), None)
+        if deferred is None:
+            return super().compute_language_model_loss(labels, logits)
+        from bridge_cli.models.linear_cross_entropy import LinearCrossEntropy
+
+        tp = self.pg_collection.tp
+        seq, batch, hidden = logits.shape
+        losses = LinearCrossEntropy.apply(
+            logits.reshape(seq * batch, hidden), deferred, labels.t().reshape(-1), tp if tp.size() > 1 else None,
+            self.config.linear_cross_entropy_chunk, self.config.final_logit_softcapping)
+        return losses.view(seq, batch).t().contiguous()  # [s, b] -> [b, s], as megatron-core returns it
 
     def _preprocess(self, *args, **kwargs):
         output = super()._preprocess(*args, **kwargs)

@@ -33,3 +33,9 @@ def check_layer_options(model) -> None:
         raise ConfigError("model.local_rotary_base", "sets the RoPE base of the sliding-window layers, which needs "
                           "model.position_embedding_type=rope without multi-latent attention.",
                           "Unset model.local_rotary_base.")
+    if model.fused_linear_cross_entropy:
+        for key in ("fp16_lm_cross_entropy", "use_mup"):
+            if getattr(model, key, False):
+                raise ConfigError(f"model.{key}", "changes the logits or their loss in megatron-core's own loss path, "
+                                  "which model.fused_linear_cross_entropy replaces.",
+                                  f"Unset model.{key} or model.fused_linear_cross_entropy.")

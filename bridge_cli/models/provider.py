@@ -108,6 +108,14 @@ class GPTModelProvider(MLATransformerConfig):
     fp16_lm_cross_entropy: bool = False
     """Compute the language-model cross entropy in fp16 instead of fp32."""
 
+    fused_linear_cross_entropy: bool = False
+    """Project onto the vocabulary and take the cross entropy in chunks of linear_cross_entropy_chunk tokens, the
+    logits never whole (the fp32 logits of 32K tokens x 128K vocabulary are 16 GiB); the projection runs twice.
+    Training and evaluation losses only (a model asked for logits projects as usual); supersedes cross_entropy_loss_fusion."""
+
+    linear_cross_entropy_chunk: int = 4096
+    """Tokens per chunk of fused_linear_cross_entropy: the peak holds chunk x vocabulary / TP fp32 logits."""
+
     parallel_output: bool = True
     """Keep the logits split across tensor-parallel ranks (the vocab-parallel loss needs this)."""
 

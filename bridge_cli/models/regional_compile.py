@@ -29,6 +29,7 @@ def compile_layers(chunks: list) -> None:
         for module in chunk.modules():
             if isinstance(module, TransformerLayer):
                 module.compile(dynamic=False)
-            elif isinstance(module, LanguageModule) and module.post_process:
+            elif isinstance(module, LanguageModule) and module.post_process and \
+                    not getattr(module.config, "fused_linear_cross_entropy", False):  # its chunks run eager
                 # the cross entropy over the vocabulary: its fp32 passes over the logits fuse
                 module.compute_language_model_loss = torch.compile(module.compute_language_model_loss, dynamic=False)

@@ -99,15 +99,6 @@ def test_gradients_follow_the_fp32_ones(scaling):
         torch.testing.assert_close(w.grad, (grad_y.reshape(40, 96).t() @ x.detach().reshape(40, 64)))
 
 
-@pytest.fixture(scope="module")
-def one_process():
-    from bridge_cli.runtime.distributed import destroy_distributed, init_distributed
-
-    init_distributed("gloo", 1, 1, 1)
-    yield
-    destroy_distributed()
-
-
 def build(fp8: str | None, **fields):
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 

@@ -31,15 +31,6 @@ GPT_OSS_20B = {"model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"], 
 FAMILY = FAMILIES["gpt_oss"]
 
 
-@pytest.fixture(scope="module")
-def one_process():
-    from bridge_cli.runtime.distributed import destroy_distributed, init_distributed
-
-    init_distributed("gloo", 1, 1, 1)
-    yield
-    destroy_distributed()
-
-
 def yarn_model(rope: dict):
     """A one-layer megatron-core GPTModel whose RoPE is what the gpt_oss family makes of ``rope``."""
     from bridge_cli.models.provider import GPTModelProvider

@@ -13,15 +13,6 @@ from bridge_cli.models.provider import GPTModelProvider
 VOCAB, SEQ, BATCH = 128, 16, 2
 
 
-@pytest.fixture(scope="module")
-def one_process():
-    from bridge_cli.runtime.distributed import destroy_distributed, init_distributed
-
-    init_distributed("gloo", 1, 1, 1)
-    yield
-    destroy_distributed()
-
-
 def build(grouped: bool, gated: bool = True, seed: int = 0):
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 

@@ -27,6 +27,10 @@ REFUSED = [
      ["model.ffn_hidden_size", "not divisible by model.tensor_model_parallel_size (2)"]),
     (["scheduler.lr_decay_steps=100"], ["scheduler.lr_decay_steps", "scheduler.lr_decay_iters instead"]),
     (["mixed_precision=bf16_mixed", "--device", "cpu"], ["model.bf16=true needs CUDA", "mixed_precision=fp32"]),
+    (["model.fused_linear_cross_entropy=true", "model.fp16_lm_cross_entropy=true"],
+     ["model.fp16_lm_cross_entropy", "model.fused_linear_cross_entropy replaces"]),
+    (["model.fused_linear_cross_entropy=true", "model.linear_cross_entropy_chunk=0"],
+     ["model.linear_cross_entropy_chunk", ">= 1"]),
 ]
 
 

@@ -1,0 +1,111 @@
+"""``model.fused_linear_cross_entropy``: the output projection and the cross entropy in chunks of tokens,
+so the [tokens x vocabulary] logits never exist whole.
+
+GPTModel's last stage projects every token onto the vocabulary (bf16 logits), upcasts them to fp32
+and takes the vocab-parallel cross entropy, which keeps the fp32 logits (or their softmax) for the
+backward: 32K tokens of a 128K vocabulary are 16 GiB, more than the rest of a 1B model's
+activations. Here the forward projects ``chunk`` tokens at a time and keeps only each token's
+log-sum-exp; the backward projects each chunk again and turns its softmax straight into the two
+gradient GEMMs. One chunk's logits are alive at a time, at the cost of running the projection GEMM
+a second time.
+
+The numbers are the unfused path's: logits in the weight's dtype upcast to fp32, the vocab-parallel
+max / sum / target logit all-reduced over the tensor-parallel group (megatron-core's
+``vocab_parallel_cross_entropy``), gradients cast back to the weight's dtype before their GEMMs.
+The weight gradient sums its chunks in fp32. ``model.final_logit_softcapping`` is applied in fp32
+inside the chunk.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    """Per-token loss ``logsumexp(h W^T) - (h W^T)[label]`` over a vocabulary split across ``group``.
+
+    ``hidden`` [tokens, hidden] (the same on every rank of ``group``), ``weight`` [vocab / ranks,
+    hidden] (this rank's rows), ``labels`` [tokens] (ids in the whole vocabulary). Returns fp32
+    [tokens]. The gradient of ``hidden`` is this rank's share; the caller sums it over ``group`` (as a
+    column-parallel linear's input gradient is summed).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, group,
+                chunk: int, softcap: Optional[float]) -> torch.Tensor:
+        first = _first_row(weight, group)
+        losses = torch.empty(hidden.shape[0], dtype=_upcast(weight.dtype), device=hidden.device)
+        log_sum_exp = torch.empty_like(losses)
+        for start in range(0, hidden.shape[0], chunk):
+            rows = slice(start, start + chunk)
+            logits = _logits(hidden[rows], weight, softcap)
+            local = _local_labels(labels[rows], first, weight.shape[0])
+            target = logits.gather(-1, local.clamp(min=0).unsqueeze(-1)).squeeze(-1) * (local >= 0)
+            peak = logits.max(dim=-1).values
+            _all_reduce(peak, group, dist.ReduceOp.MAX)
+            sum_exp = logits.sub_(peak.unsqueeze(-1)).exp_().sum(dim=-1)
+            _all_reduce(sum_exp, group)
+            _all_reduce(target, group)
+            log_sum_exp[rows] = peak + sum_exp.log()
+            losses[rows] = log_sum_exp[rows] - target
+        ctx.save_for_backward(hidden, weight, labels, log_sum_exp)
+        ctx.chunk, ctx.softcap, ctx.group = chunk, softcap, group
+        return losses
+
+    @staticmethod
+    def backward(ctx, grad_losses: torch.Tensor):
+        hidden, weight, labels, log_sum_exp = ctx.saved_tensors
+        first = _first_row(weight, ctx.group)
+        grad_hidden = torch.empty_like(hidden)
+        grad_weight = torch.zeros(weight.shape, dtype=_upcast(weight.dtype), device=weight.device)
+        for start in range(0, hidden.shape[0], ctx.chunk):
+            rows = slice(start, start + ctx.chunk)
+            logits = _logits(hidden[rows], weight, ctx.softcap)
+            capped = logits.clone() if ctx.softcap else None
+            # d loss / d logits = softmax - one-hot(label), times the loss's gradient
+            grad = logits.sub_(log_sum_exp[rows].unsqueeze(-1)).exp_()
+            local = _local_labels(labels[rows], first, weight.shape[0])
+            on_rank = local >= 0
+            grad[on_rank.nonzero().squeeze(-1), local[on_rank]] -= 1.0
+            grad.mul_(grad_losses[rows].unsqueeze(-1))
+            if ctx.softcap:  # through cap * tanh(z / cap): 1 - tanh^2
+                grad.mul_(1.0 - (capped / ctx.softcap).square_())
+            grad = grad.to(weight.dtype)
+            grad_hidden[rows] = grad @ weight
+            if weight.dtype == grad_weight.dtype:
+                grad_weight.addmm_(grad.t(), hidden[rows])
+            else:  # each chunk's GEMM in the weight's dtype, their sum in fp32
+                grad_weight.add_(grad.t() @ hidden[rows])
+        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None
+
+
+def _logits(hidden: torch.Tensor, weight: torch.Tensor, softcap: Optional[float]) -> torch.Tensor:
+    """One chunk's logits in fp32 (or wider), soft-capped if asked."""
+    logits = (hidden @ weight.t()).to(_upcast(weight.dtype))
+    if softcap:
+        logits = logits.div_(softcap).tanh_().mul_(softcap)
+    return logits
+
+
+def _upcast(dtype: torch.dtype) -> torch.dtype:
+    """fp32, or the weight's dtype where that is wider."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _local_labels(labels: torch.Tensor, first: int, rows: int) -> torch.Tensor:
+    """Each label's row in this rank's share of the vocabulary, -1 where another rank holds it."""
+    local = labels - first
+    return torch.where((local >= 0) & (local < rows), local, -1)
+
+
+def _first_row(weight: torch.Tensor, group) -> int:
+    """The vocabulary id of this rank's first row of the output weight."""
+    return 0 if group is None else dist.get_rank(group) * weight.shape[0]
+
+
+def _all_reduce(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM) -> None:
+    if group is not None:
+        dist.all_reduce(tensor, op=op, group=group)
