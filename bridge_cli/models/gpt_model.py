@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from megatron.core.models.gpt import GPTModel as MCoreGPTModel
 
+from bridge_cli.models import linear_cross_entropy
 from bridge_cli.models.attention.masks import DocumentParams
 
 
@@ -44,6 +45,7 @@ class GPTModel(MCoreGPTModel):
         self._fused_loss = bool(getattr(config, "fused_linear_cross_entropy", False)) and hasattr(self, "output_layer")
         self._defer = False  # set for one forward that has labels
         self._deferred: list = []  # (hidden states, weight) the output layer handed on unprojected
+        self.loss_chunk_math = linear_cross_entropy.EAGER  # regional compilation swaps in the compiled passes
         if self._fused_loss:
             self.output_layer.forward = self._defer_projection(self.output_layer.forward)
         elif getattr(config, "final_logit_softcapping", None) and hasattr(self, "output_layer"):
@@ -83,13 +85,11 @@ class GPTModel(MCoreGPTModel):
         deferred = next((weight for hidden, weight in self._deferred if hidden is logits), None)
         if deferred is None:
             return super().compute_language_model_loss(labels, logits)
-        from bridge_cli.models.linear_cross_entropy import LinearCrossEntropy
-
         tp = self.pg_collection.tp
         seq, batch, hidden = logits.shape
-        losses = LinearCrossEntropy.apply(
+        losses = linear_cross_entropy.LinearCrossEntropy.apply(
             logits.reshape(seq * batch, hidden), deferred, labels.t().reshape(-1), tp if tp.size() > 1 else None,
-            self.config.linear_cross_entropy_chunk, self.config.final_logit_softcapping)
+            self.config.linear_cross_entropy_chunk, self.config.final_logit_softcapping, self.loss_chunk_math)
         return losses.view(seq, batch).t().contiguous()  # [s, b] -> [b, s], as megatron-core returns it
 
     def _preprocess(self, *args, **kwargs):

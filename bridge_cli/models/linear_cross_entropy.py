@@ -18,7 +18,8 @@ inside the chunk.
 
 from __future__ import annotations
 
-from typing import Optional
+import functools
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -35,24 +36,23 @@ class LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, group,
-                chunk: int, softcap: Optional[float]) -> torch.Tensor:
+                chunk: int, softcap: Optional[float], math: "ChunkMath") -> torch.Tensor:
         first = _first_row(weight, group)
         losses = torch.empty(hidden.shape[0], dtype=_upcast(weight.dtype), device=hidden.device)
         log_sum_exp = torch.empty_like(losses)
         for start in range(0, hidden.shape[0], chunk):
             rows = slice(start, start + chunk)
-            logits = _logits(hidden[rows], weight, softcap)
+            logits = hidden[rows] @ weight.t()
             local = _local_labels(labels[rows], first, weight.shape[0])
-            target = logits.gather(-1, local.clamp(min=0).unsqueeze(-1)).squeeze(-1) * (local >= 0)
-            peak = logits.max(dim=-1).values
+            peak, target = math.peak_and_target(logits, local, softcap)
             _all_reduce(peak, group, dist.ReduceOp.MAX)
-            sum_exp = logits.sub_(peak.unsqueeze(-1)).exp_().sum(dim=-1)
+            sum_exp = math.sum_exp(logits, peak, softcap)
             _all_reduce(sum_exp, group)
             _all_reduce(target, group)
             log_sum_exp[rows] = peak + sum_exp.log()
             losses[rows] = log_sum_exp[rows] - target
         ctx.save_for_backward(hidden, weight, labels, log_sum_exp)
-        ctx.chunk, ctx.softcap, ctx.group = chunk, softcap, group
+        ctx.chunk, ctx.softcap, ctx.group, ctx.math = chunk, softcap, group, math
         return losses
 
     @staticmethod
@@ -63,31 +63,64 @@ class LinearCrossEntropy(torch.autograd.Function):
         grad_weight = torch.zeros(weight.shape, dtype=_upcast(weight.dtype), device=weight.device)
         for start in range(0, hidden.shape[0], ctx.chunk):
             rows = slice(start, start + ctx.chunk)
-            logits = _logits(hidden[rows], weight, ctx.softcap)
-            capped = logits.clone() if ctx.softcap else None
-            # d loss / d logits = softmax - one-hot(label), times the loss's gradient
-            grad = logits.sub_(log_sum_exp[rows].unsqueeze(-1)).exp_()
             local = _local_labels(labels[rows], first, weight.shape[0])
-            on_rank = local >= 0
-            grad[on_rank.nonzero().squeeze(-1), local[on_rank]] -= 1.0
-            grad.mul_(grad_losses[rows].unsqueeze(-1))
-            if ctx.softcap:  # through cap * tanh(z / cap): 1 - tanh^2
-                grad.mul_(1.0 - (capped / ctx.softcap).square_())
-            grad = grad.to(weight.dtype)
+            grad = ctx.math.grad_logits(hidden[rows] @ weight.t(), log_sum_exp[rows], local, grad_losses[rows],
+                                        ctx.softcap)
             grad_hidden[rows] = grad @ weight
             if weight.dtype == grad_weight.dtype:
                 grad_weight.addmm_(grad.t(), hidden[rows])
             else:  # each chunk's GEMM in the weight's dtype, their sum in fp32
                 grad_weight.add_(grad.t() @ hidden[rows])
-        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None
+        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None, None
 
 
-def _logits(hidden: torch.Tensor, weight: torch.Tensor, softcap: Optional[float]) -> torch.Tensor:
-    """One chunk's logits in fp32 (or wider), soft-capped if asked."""
-    logits = (hidden @ weight.t()).to(_upcast(weight.dtype))
-    if softcap:
-        logits = logits.div_(softcap).tanh_().mul_(softcap)
-    return logits
+class ChunkMath(NamedTuple):
+    """The passes over one chunk's logits between its GEMMs: eager, or each fused into one kernel."""
+
+    peak_and_target: Callable
+    sum_exp: Callable
+    grad_logits: Callable
+
+
+def _peak_and_target(logits: torch.Tensor, local: torch.Tensor, softcap: Optional[float]):
+    """Each token's largest logit and its label's logit (0 where another rank holds the label), in fp32."""
+    logits = _upcast_and_cap(logits, softcap)
+    target = logits.gather(-1, local.clamp(min=0).unsqueeze(-1)).squeeze(-1) * (local >= 0)
+    return logits.max(dim=-1).values, target
+
+
+def _sum_exp(logits: torch.Tensor, peak: torch.Tensor, softcap: Optional[float]) -> torch.Tensor:
+    return _upcast_and_cap(logits, softcap).sub_(peak.unsqueeze(-1)).exp_().sum(dim=-1)
+
+
+def _grad_logits(logits: torch.Tensor, log_sum_exp: torch.Tensor, local: torch.Tensor, grad_losses: torch.Tensor,
+                 softcap: Optional[float]) -> torch.Tensor:
+    """d loss / d logits = (softmax - one-hot(label)) times the loss's gradient, in the logits' dtype."""
+    grad = _upcast_and_cap(logits, softcap)
+    capped = grad.clone() if softcap else None
+    grad.sub_(log_sum_exp.unsqueeze(-1)).exp_()
+    on_rank = (local >= 0).to(grad.dtype).unsqueeze(-1)
+    grad.scatter_add_(-1, local.clamp(min=0).unsqueeze(-1), -on_rank)
+    grad.mul_(grad_losses.unsqueeze(-1))
+    if softcap:  # through cap * tanh(z / cap): 1 - tanh^2
+        grad.mul_(1.0 - capped.div_(softcap).square_())
+    return grad.to(logits.dtype)
+
+
+EAGER = ChunkMath(_peak_and_target, _sum_exp, _grad_logits)
+
+
+@functools.cache
+def compiled_chunk_math() -> ChunkMath:
+    """The same passes through ``torch.compile``: each reads the chunk's logits once (``model.compile_layers``)."""
+    return ChunkMath(*(torch.compile(f, dynamic=False) for f in EAGER))
+
+
+def _upcast_and_cap(logits: torch.Tensor, softcap: Optional[float]) -> torch.Tensor:
+    """One chunk's logits in fp32 (or wider), soft-capped if asked: a new tensor, except for fp32 (or wider)
+    logits without a cap, which the in-place passes above may then overwrite (their callers' logits are spent)."""
+    logits = logits.to(_upcast(logits.dtype))
+    return torch.tanh(logits / softcap) * softcap if softcap else logits
 
 
 def _upcast(dtype: torch.dtype) -> torch.dtype:

@@ -16,6 +16,8 @@ import warnings
 
 import torch
 
+from bridge_cli.models.linear_cross_entropy import compiled_chunk_math
+
 
 def compile_layers(chunks: list) -> None:
     """Compile every ``TransformerLayer`` of ``chunks`` and the loss of the last stage (before the DDP wrap)."""
@@ -29,7 +31,10 @@ def compile_layers(chunks: list) -> None:
         for module in chunk.modules():
             if isinstance(module, TransformerLayer):
                 module.compile(dynamic=False)
-            elif isinstance(module, LanguageModule) and module.post_process and \
-                    not getattr(module.config, "fused_linear_cross_entropy", False):  # its chunks run eager
+            elif isinstance(module, LanguageModule) and module.post_process:
                 # the cross entropy over the vocabulary: its fp32 passes over the logits fuse
-                module.compute_language_model_loss = torch.compile(module.compute_language_model_loss, dynamic=False)
+                if getattr(module.config, "fused_linear_cross_entropy", False):  # chunk by chunk, between GEMMs
+                    module.loss_chunk_math = compiled_chunk_math()
+                else:
+                    module.compute_language_model_loss = torch.compile(module.compute_language_model_loss,
+                                                                       dynamic=False)

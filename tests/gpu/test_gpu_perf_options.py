@@ -51,3 +51,14 @@ def test_efficient_attention_trains_like_auto_without_grouped_query_attention():
 
 def test_compiled_layers_train_like_eager(default_curve):
     assert curve("model.compile_layers=true") == pytest.approx(default_curve, rel=1e-2)
+
+
+def test_fused_linear_cross_entropy_trains_like_the_unfused_loss(default_curve):
+    """bf16 on CUDA, chunks that do not divide the tokens (tiny: 4 x 128 tokens a micro-batch)."""
+    fused = curve("model.fused_linear_cross_entropy=true", "model.linear_cross_entropy_chunk=200")
+    assert fused == pytest.approx(default_curve, rel=1e-2)
+
+
+def test_fused_linear_cross_entropy_with_compiled_layers(default_curve):
+    fused = curve("model.fused_linear_cross_entropy=true", "model.compile_layers=true")
+    assert fused == pytest.approx(default_curve, rel=1e-2)

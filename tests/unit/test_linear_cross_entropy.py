@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bridge_cli.models.linear_cross_entropy import LinearCrossEntropy
+from bridge_cli.models.linear_cross_entropy import EAGER, LinearCrossEntropy, compiled_chunk_math
 
 
 @pytest.mark.parametrize("chunk", [1, 8, 37, 100])
@@ -24,7 +24,7 @@ def test_chunks_give_the_unfused_loss_and_gradients(chunk, softcap):
     expected = F.cross_entropy(logits, labels, reduction="none")
     expected_grads = torch.autograd.grad((expected * upstream).sum(), (hidden, weight))
 
-    losses = LinearCrossEntropy.apply(hidden, weight, labels, None, chunk, softcap)
+    losses = LinearCrossEntropy.apply(hidden, weight, labels, None, chunk, softcap, EAGER)
     grads = torch.autograd.grad((losses * upstream).sum(), (hidden, weight))
     torch.testing.assert_close(losses, expected, rtol=1e-12, atol=1e-12)
     for got, want in zip(grads, expected_grads):
@@ -36,13 +36,29 @@ def test_bf16_weights_get_bf16_gradients_summed_in_fp32():
     hidden = torch.randn(64, 32, dtype=torch.bfloat16, requires_grad=True)
     weight = torch.randn(96, 32, dtype=torch.bfloat16, requires_grad=True)
     labels = torch.randint(0, 96, (64,))
-    losses = LinearCrossEntropy.apply(hidden, weight, labels, None, 16, None)
+    losses = LinearCrossEntropy.apply(hidden, weight, labels, None, 16, None, EAGER)
     assert losses.dtype == torch.float32
     losses.sum().backward()
     assert hidden.grad.dtype == weight.grad.dtype == torch.bfloat16
     expected = F.cross_entropy((hidden.detach() @ weight.detach().t()).float(), labels, reduction="none")
     torch.testing.assert_close(losses, expected)
 
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("softcap", [None, 3.0])
+def test_compiled_chunk_passes_give_the_eager_loss_and_gradients(softcap):
+    """model.compile_layers compiles the passes between the GEMMs; bf16 logits, fp32 math, as on the GPU."""
+    torch.manual_seed(0)
+    hidden = torch.randn(40, 16, dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.randn(50, 16, dtype=torch.bfloat16, requires_grad=True)
+    labels, upstream = torch.randint(0, 50, (40,)), torch.randn(40)
+    results = []
+    for math in (EAGER, compiled_chunk_math()):
+        losses = LinearCrossEntropy.apply(hidden, weight, labels, None, 16, softcap, math)
+        results.append((losses, *torch.autograd.grad((losses * upstream).sum(), (hidden, weight))))
+    for got, want in zip(results[1], results[0]):
+        torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
 
 def build(fused: bool):
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
