@@ -16,6 +16,10 @@ seq/N tokens (each ending with the end-of-document token, so about N per row) an
 on it, ``docsN causal`` (attention across documents, the causal kernel) and ``docsN masked``
 (``dataset.reset_attention_mask=true reset_position_ids=true``: FlexAttention with per-document
 block masks), and prints masked / causal tokens/s.
+
+``--titan PATH`` adds torchtitan (``shared/bench/titan/run_titan.py``, its wheels installed as its README
+says) at its best setting, micro-batch 4 x 2 compiled, to the same table. A run that fails (out of
+memory, say) is a row that says so; the others go on.
 """
 
 from __future__ import annotations
@@ -43,11 +47,16 @@ PROXY_OVERRIDES = [
 ]
 
 
+class RunFailed(RuntimeError):
+    """A run exited with an error (an out-of-memory variant, say): the table shows it and goes on."""
+
+
 def run(argv: list[str]) -> tuple[str, float]:
     start = time.time()
     result = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     if result.returncode:
-        sys.exit(f"{' '.join(argv)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+        print(f"{' '.join(argv)} failed:\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}", file=sys.stderr)
+        raise RunFailed((result.stderr.strip() or result.stdout.strip() or "no output").splitlines()[-1][:120])
     return result.stdout, time.time() - start
 
 
@@ -56,6 +65,15 @@ def bare(baseline: Path, steps: int, warmup: int) -> dict:
     res = json.loads(out.split("RESULT ", 1)[1].splitlines()[0])
     return {"step_ms": res["step_ms"], "tok_s_gpu": res["tok_s_gpu"], "tflops_gpu": res["tflops_gpu"],
             "peak_mem_GiB": res["peak_mem_GiB"], "to_first_step_s": res["to_first_step_done_s"], "wall_s": wall}
+
+
+def titan(script: Path, steps: int, warmup: int) -> dict:
+    """torchtitan at its best setting measured so far: 4 sequences a micro-batch, 2 micro-batches, compiled."""
+    out, wall = run([sys.executable, str(script), "--local-batch", "4", "--grad-accum", "2", "--compile",
+                     "--steps", str(steps), "--warmup", str(warmup)])
+    res = json.loads(out.strip().splitlines()[-1])
+    return {"step_ms": res["step_ms_median"], "tok_s_gpu": round(res["tokens_per_s"]),
+            "tflops_gpu": res["tflops_per_s"], "peak_mem_GiB": res["peak_mem_gib"], "wall_s": wall}
 
 
 def bridge(steps: int, warmup: int, extra: list[str]) -> dict:
@@ -96,32 +114,56 @@ def main() -> None:
     parser.add_argument("--variant", action="append", default=[], metavar="NAME:OVERRIDES")
     parser.add_argument("--documents", type=int, default=0, metavar="N",
                         help="also run causal vs per-document masked attention on rows of about N documents")
+    parser.add_argument("--titan", type=Path, metavar="RUN_TITAN_PY",
+                        help="also run torchtitan (shared/bench/titan/run_titan.py) at 4 x 2, compiled")
     args = parser.parse_args()
-    results = {"bare mcore": bare(args.baseline, args.steps, args.warmup), "bridge": bridge(args.steps, args.warmup, [])}
+    runs = {"bare mcore": lambda: bare(args.baseline, args.steps, args.warmup)}
+    if args.titan:
+        runs["titan 4x2 comp"] = lambda: titan(args.titan, args.steps, args.warmup)
+    runs["bridge"] = lambda: bridge(args.steps, args.warmup, [])
     for variant in args.variant:
         name, overrides = variant.split(":", 1)
-        results[f"bridge {name}"] = bridge(args.steps, args.warmup, overrides.split(","))
+        runs[f"bridge {name}"] = lambda o=overrides.split(","): bridge(args.steps, args.warmup, o)
+    folder = tempfile.TemporaryDirectory()
     if args.documents:
-        with tempfile.TemporaryDirectory() as folder:
-            # twice the rows training reads: megatron-core's split and shuffle take whole documents
-            prefix = document_dataset(Path(folder), args.documents, rows=2 * 8 * (args.steps + args.warmup))
-            data = ["dataset=gpt", f"dataset.blend=[{prefix}]", "dataset.split='100,0,0'"]
-            causal = results[f"bridge docs{args.documents} causal"] = bridge(args.steps, args.warmup, data)
-            masked = results[f"bridge docs{args.documents} masked"] = bridge(
-                args.steps, args.warmup, data + ["dataset.reset_attention_mask=true", "dataset.reset_position_ids=true"])
-    m = results["bare mcore"]
-    print(f"\n{'run':<16} {'ms/step':>8} {'tok/s/gpu':>10} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>9} {'wall s':>7} "
-          f"{'tok/s ratio':>11} {'mem ratio':>9}")
+        # twice the rows training reads: megatron-core's split and shuffle take whole documents
+        prefix = document_dataset(Path(folder.name), args.documents, rows=2 * 8 * (args.steps + args.warmup))
+        data = ["dataset=gpt", f"dataset.blend=[{prefix}]", "dataset.split='100,0,0'"]
+        runs[f"bridge docs{args.documents} causal"] = lambda: bridge(args.steps, args.warmup, data)
+        runs[f"bridge docs{args.documents} masked"] = lambda: bridge(
+            args.steps, args.warmup, data + ["dataset.reset_attention_mask=true", "dataset.reset_position_ids=true"])
+
+    header = (f"{'run':<16} {'ms/step':>8} {'tok/s/gpu':>10} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>9} {'wall s':>7} "
+              f"{'tok/s ratio':>11} {'mem ratio':>9}")
+    results: dict[str, dict] = {}
+    print(header, flush=True)
+    for name, measure in runs.items():  # each row as its run ends, so a cut-off command still reports
+        try:
+            results[name] = measure()
+        except RunFailed as failure:
+            results[name] = {"error": str(failure)}
+        print(row(name, results[name], results.get("bare mcore")), flush=True)
+    folder.cleanup()
+    print(f"\n{header}")
     for name, r in results.items():
-        mfu = r["tflops_gpu"] / H100_BF16_PEAK_TFLOPS
-        print(f"{name:<16} {r['step_ms']:>8.1f} {r['tok_s_gpu']:>10,} {r['tflops_gpu']:>8.1f} {mfu:>6.1%} "
-              f"{r['peak_mem_GiB']:>9.1f} {r['wall_s']:>7.1f} {r['tok_s_gpu'] / m['tok_s_gpu']:>11.3f} "
-              f"{r['peak_mem_GiB'] / m['peak_mem_GiB']:>9.3f}")
+        print(row(name, r, results["bare mcore"]))
     print("(ratios: each run / bare megatron-core)")
-    if args.documents:
+    docs = [results.get(f"bridge docs{args.documents} {kind}", {}) for kind in ("causal", "masked")]
+    if args.documents and all("tok_s_gpu" in r for r in docs):
         print(f"per-document masked / causal tokens/s with {args.documents} documents per row: "
-              f"{masked['tok_s_gpu'] / causal['tok_s_gpu']:.3f}")
+              f"{docs[1]['tok_s_gpu'] / docs[0]['tok_s_gpu']:.3f}")
     print("RESULTS " + json.dumps(results))
+
+
+def row(name: str, r: dict, bare_run: dict | None) -> str:
+    if "error" in r:
+        return f"{name:<16} failed: {r['error']}"
+    mfu = r["tflops_gpu"] / H100_BF16_PEAK_TFLOPS
+    line = (f"{name:<16} {r['step_ms']:>8.1f} {r['tok_s_gpu']:>10,} {r['tflops_gpu']:>8.1f} {mfu:>6.1%} "
+            f"{r['peak_mem_GiB']:>9.1f} {r['wall_s']:>7.1f}")
+    if bare_run and "tok_s_gpu" in bare_run:
+        line += f" {r['tok_s_gpu'] / bare_run['tok_s_gpu']:>11.3f} {r['peak_mem_GiB'] / bare_run['peak_mem_GiB']:>9.3f}"
+    return line
 
 
 if __name__ == "__main__":
