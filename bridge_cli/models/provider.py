@@ -111,7 +111,8 @@ class GPTModelProvider(MLATransformerConfig):
     fused_linear_cross_entropy: bool = False
     """Project onto the vocabulary and take the cross entropy in chunks of linear_cross_entropy_chunk tokens, the
     logits never whole (the fp32 logits of 32K tokens x 128K vocabulary are 16 GiB); the projection runs twice.
-    Training and evaluation losses only (a model asked for logits projects as usual); supersedes cross_entropy_loss_fusion."""
+    Training and evaluation losses only (a model asked for logits projects as usual); supersedes cross_entropy_loss_fusion.
+    Under compile_layers the passes between the chunk GEMMs are compiled."""
 
     linear_cross_entropy_chunk: int = 4096
     """Tokens per chunk of fused_linear_cross_entropy: the peak holds chunk x vocabulary / TP fp32 logits."""
