@@ -1,5 +1,5 @@
-"""Features whose GPU path differs from the CPU one: NVML energy, CUDA timers, LoRA in bf16 with
-the distributed optimizer, and a Hugging Face import trained in bf16."""
+"""Features whose GPU path differs from the CPU one: NVML energy, CUDA timers, the profiler's GPU time
+breakdown, LoRA in bf16 with the distributed optimizer, and a Hugging Face import trained in bf16."""
 
 from __future__ import annotations
 
@@ -21,6 +21,17 @@ def test_energy_and_timers_are_reported():
     readings = re.findall(r"\| energy/gpu ([0-9.]+) J/iter \| power/gpu ([0-9]+) W", result.stdout)
     assert len(readings) == 2 and all(float(j) > 0 and int(w) > 0 for j, w in readings), result.stdout[-2000:]
     assert "(min, max) time across ranks (ms):" in result.stdout and "forward-backward" in result.stdout
+
+
+def test_profiler_breaks_the_gpu_time_down_by_kernel_kind(tmp_path):
+    result = bridge("pretrain", "recipe=gpt2_124m", "train.global_batch_size=64", "train.train_iters=4",
+                    "train.eval_iters=0", "profiling.use_pytorch_profiler=true", "profiling.profile_step_start=2",
+                    "profiling.profile_step_end=3", f"logger.tensorboard_dir={tmp_path}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = dict(re.findall(r"^  (\S.*?)\s+([0-9.]+)\s+[0-9.]+%$", result.stdout.split("by kernel kind:")[1], re.M))
+    assert {"GEMM", "attention", "GPU idle between kernels"} <= set(rows), result.stdout[-2000:]
+    assert float(rows["GEMM"]) > 0.2 * sum(float(ms) for ms in rows.values()), rows  # gpt2_124m is GEMM-heavy
+    assert list(tmp_path.glob("*.pt.trace.json*"))
 
 
 def test_lora_finetunes_in_bf16_with_the_distributed_optimizer(tmp_path):

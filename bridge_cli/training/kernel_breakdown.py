@@ -1,0 +1,84 @@
+"""Where a profiled step's GPU time goes: kernels by kind (GEMMs, attention, compiled, ...) and the idle gaps.
+
+Read from the PyTorch profiler's events of a training run (``StepProfiler``) or from any Chrome trace it
+wrote (``scripts/bench/kernel_breakdown.py``, for torchtitan's traces too). The kinds come from the
+kernel names that cuBLAS, cuDNN, FlashAttention, Triton (``torch.compile``) and NCCL give their kernels.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+from pathlib import Path
+from typing import Iterable, NamedTuple
+
+# first match wins: attention before GEMM (cuDNN's attention kernels name their GEMM tiles too)
+KINDS = (
+    ("attention", re.compile(r"flash|fmha|sdpa|attention|attn", re.I)),
+    ("GEMM", re.compile(r"gemm|nvjet|cutlass|xmma|cublas|matmul|_mm_|wgrad|dgrad", re.I)),
+    ("communication", re.compile(r"nccl|all_?reduce|all_?gather|reduce_?scatter|all_?to_?all", re.I)),
+    ("compiled (Triton)", re.compile(r"^triton_", re.I)),
+    ("optimizer", re.compile(r"adam|multi_tensor|foreach", re.I)),
+    ("copies and casts", re.compile(r"memcpy|memset|copy|cast|to_copy|fill", re.I)),
+)
+OTHER = "other kernels"
+IDLE = "GPU idle between kernels"
+
+
+class Kernel(NamedTuple):
+    name: str
+    start_us: float
+    duration_us: float
+
+
+class Share(NamedTuple):
+    kind: str
+    ms_per_step: float
+    fraction: float  # of the profiled window, first kernel's start to last kernel's end
+
+
+def kind_of(name: str) -> str:
+    return next((kind for kind, pattern in KINDS if pattern.search(name)), OTHER)
+
+
+def breakdown(kernels: Iterable[Kernel], steps: int) -> list[Share]:
+    """GPU time per step by kind, largest first, then the idle time (the window less the kernels' union)."""
+    kernels = sorted(kernels, key=lambda k: k.start_us)
+    if not kernels or steps < 1:
+        return []
+    window = max(k.start_us + k.duration_us for k in kernels) - kernels[0].start_us
+    by_kind: dict[str, float] = {}
+    for k in kernels:
+        by_kind[kind_of(k.name)] = by_kind.get(kind_of(k.name), 0.0) + k.duration_us
+    busy, reach = 0.0, kernels[0].start_us  # union of the intervals (kernels on several streams overlap)
+    for k in kernels:
+        end = k.start_us + k.duration_us
+        if end > reach:
+            busy += end - max(reach, k.start_us)
+            reach = end
+    rows = sorted(by_kind.items(), key=lambda item: -item[1]) + [(IDLE, window - busy)]
+    return [Share(kind, us / steps / 1000, us / window if window else 0.0) for kind, us in rows]
+
+
+def from_profiler(profile) -> list[Kernel]:
+    """The CUDA kernels, copies and sets of a stopped ``torch.profiler.profile``."""
+    from torch.autograd import DeviceType
+
+    return [Kernel(e.name, e.time_range.start, e.time_range.elapsed_us()) for e in profile.events()
+            if e.device_type == DeviceType.CUDA]
+
+
+def from_trace_file(path: Path) -> list[Kernel]:
+    """The same from a Chrome trace (``*.pt.trace.json``, gzipped or not) the profiler wrote."""
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt") as f:
+        events = json.load(f)["traceEvents"]
+    return [Kernel(e["name"], float(e["ts"]), float(e["dur"])) for e in events
+            if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+
+
+def table(shares: list[Share], title: str) -> str:
+    lines = [title, f"  {'kind':<26} {'ms/step':>9} {'share':>7}"]
+    lines += [f"  {s.kind:<26} {s.ms_per_step:>9.1f} {s.fraction:>7.1%}" for s in shares]
+    return "\n".join(lines)
