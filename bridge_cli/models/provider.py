@@ -219,6 +219,10 @@ class GPTModelProvider(MLATransformerConfig):
             from bridge_cli.models.fp8_linear import keep_layers_in_bf16
 
             keep_layers_in_bf16(model, self)
+        if self.num_moe_experts:
+            from bridge_cli.models.moe_dispatch import use_local_token_dispatch
+
+            use_local_token_dispatch(model)
         return model
 
 

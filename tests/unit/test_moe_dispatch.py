@@ -1,0 +1,96 @@
+"""The host-sync-free token dispatcher for local experts against megatron-core's own dispatchers:
+the same forward and gradients in fp32 on the CPU, and megatron-core's dispatchers kept wherever the
+permutation is not of a fixed size (capacity factor) or crosses ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from bridge_cli.models.moe_dispatch import LocalTokenDispatcher
+from bridge_cli.models.provider import GPTModelProvider
+
+VOCAB, SEQ, BATCH = 128, 16, 2
+
+
+def build(dispatcher: str = "alltoall", **overrides):
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    torch.manual_seed(0)
+    model_parallel_cuda_manual_seed(0)
+    options = dict(
+        num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, vocab_size=VOCAB,
+        seq_length=SEQ, make_vocab_size_divisible_by=128, position_embedding_type="rope", normalization="RMSNorm",
+        add_bias_linear=False, gated_linear_unit=True, activation_func=F.silu, hidden_dropout=0.0,
+        attention_dropout=0.0, spec="torch", num_moe_experts=8, moe_router_topk=3, moe_ffn_hidden_size=32,
+        moe_token_dispatcher_type=dispatcher, moe_aux_loss_coeff=1e-2, moe_grouped_gemm=True)
+    return GPTModelProvider(**{**options, **overrides}).provide()
+
+
+def moe_layers(model):
+    return [layer.mlp for layer in model.decoder.layers]
+
+
+def with_megatron_dispatchers(model, dispatcher: str):
+    """The same model with megatron-core's dispatcher of that name put back in every MoE layer."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.moe import token_dispatcher
+
+    cls = {"alltoall": token_dispatcher.MoEAlltoAllTokenDispatcher,
+           "allgather": token_dispatcher.MoEAllGatherTokenDispatcher}[dispatcher]
+    pgs = ProcessGroupCollection.use_mpu_process_groups()
+    for mlp in moe_layers(model):
+        mlp.token_dispatcher = cls(mlp.num_local_experts, mlp.local_expert_indices, config=mlp.config,
+                                   pg_collection=pgs)
+    return model
+
+
+def forward_backward(model):
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    position_ids = torch.arange(SEQ).expand(BATCH, SEQ)
+    model.zero_grad()
+    logits = model(tokens, position_ids, None)
+    logits.float().square().mean().backward()
+    return logits.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
+def test_local_dispatch_equals_megatron_cores_dispatcher(one_process, dispatcher):
+    ours = build(dispatcher)
+    assert all(isinstance(mlp.token_dispatcher, LocalTokenDispatcher) for mlp in moe_layers(ours))
+    theirs = with_megatron_dispatchers(build(dispatcher), dispatcher)
+    logits, grads = forward_backward(ours)
+    their_logits, their_grads = forward_backward(theirs)
+    torch.testing.assert_close(logits, their_logits, rtol=1e-6, atol=1e-6)
+    assert grads.keys() == their_grads.keys()
+    for name in grads:  # experts, routers (through the probabilities and the aux loss), attention, embedding
+        torch.testing.assert_close(grads[name], their_grads[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_a_token_gets_each_of_its_experts_output_once(one_process):
+    """Hand-made routing: the combined output is sum over a token's experts of prob * expert(token)."""
+    mlp = moe_layers(build(moe_router_topk=2))[0]
+    dispatcher, experts = mlp.token_dispatcher, mlp.experts
+    hidden = torch.randn(5, 1, 64)
+    routing_map = torch.zeros(5, 8, dtype=torch.bool)
+    chosen = [(0, 7), (3, 1), (2, 5), (7, 0), (4, 6)]
+    for token, pair in enumerate(chosen):
+        routing_map[token, list(pair)] = True
+    probs = torch.rand(5, 8) * routing_map
+    tokens, probs_in = dispatcher.dispatch_preprocess(hidden, routing_map, probs)
+    permuted, counts, permuted_probs = dispatcher.dispatch_postprocess(*dispatcher.token_dispatch(tokens, probs_in))
+    assert counts.tolist() == routing_map.sum(0).tolist()
+    out, _ = experts(permuted, counts, permuted_probs)
+    combined = dispatcher.combine_postprocess(dispatcher.token_combine(dispatcher.combine_preprocess(out)))
+    with torch.no_grad():
+        for token, pair in enumerate(chosen):
+            expected = sum(probs[token, e] * experts(hidden[token], torch.tensor([0] * e + [1] + [0] * (7 - e)),
+                                                     torch.ones(1))[0][0] for e in pair)
+            torch.testing.assert_close(combined[token, 0], expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("overrides", [dict(moe_expert_capacity_factor=1.0), dict(moe_grouped_gemm=False)],
+                         ids=["capacity_factor", "sequential_mlp"])
+def test_megatron_cores_dispatcher_stays_where_the_permutation_is_not_fixed(one_process, overrides):
+    assert not any(isinstance(mlp.token_dispatcher, LocalTokenDispatcher) for mlp in moe_layers(build(**overrides)))
