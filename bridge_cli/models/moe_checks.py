@@ -9,6 +9,8 @@ raises them as ConfigErrors at validation, so ``--dry-run`` catches them.
 from __future__ import annotations
 
 import importlib.util
+from typing import Optional
+
 from bridge_cli.config.errors import ConfigError
 
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
@@ -24,6 +26,7 @@ def check_moe(m, world_size: int) -> None:
     _check_layer_pattern(m)
     _check_kernels(m)
     _check_parallel_layout(m, world_size)
+    _check_compile(m)
 
 
 def _check_router(m) -> None:
@@ -89,6 +92,32 @@ def _check_parallel_layout(m, world_size: int) -> None:
         raise ConfigError("model.sequence_parallel", "must be true for an MoE model with "
                           f"model.tensor_model_parallel_size={m.tensor_model_parallel_size} (megatron-core's MoE "
                           "layer refuses to train otherwise).", "Set model.sequence_parallel=true.")
+
+
+def local_dispatch_blocker(m) -> Optional[str]:
+    """Why the MoE layers of model config ``m`` keep megatron-core's token dispatcher instead of
+    :class:`~bridge_cli.models.moe_dispatch.LocalTokenDispatcher`, or None when they do not."""
+    etp = m.expert_tensor_parallel_size or m.tensor_model_parallel_size
+    reasons = [
+        (_uses_transformer_engine(m), "model.spec=te (Transformer Engine's experts)"),
+        (not m.moe_grouped_gemm, "model.moe_grouped_gemm=false (SequentialMLP experts)"),
+        (m.moe_token_dispatcher_type not in ("alltoall", "allgather"),
+         f"model.moe_token_dispatcher_type={m.moe_token_dispatcher_type}"),
+        (m.expert_model_parallel_size > 1, f"model.expert_model_parallel_size={m.expert_model_parallel_size}"),
+        (etp > 1, f"expert tensor parallelism of {etp}"),
+        (m.moe_expert_capacity_factor is not None, f"model.moe_expert_capacity_factor={m.moe_expert_capacity_factor}"),
+        (m.moe_shared_expert_overlap, "model.moe_shared_expert_overlap=true"),
+    ]
+    return next((reason for applies, reason in reasons if applies), None)
+
+
+def _check_compile(m) -> None:
+    blocker = local_dispatch_blocker(m)
+    if getattr(m, "compile_layers", False) and blocker:
+        raise ConfigError("model.compile_layers", f"compiles MoE layers whose tokens stay on this rank, and here "
+                          f"{blocker} sends them through megatron-core's dispatcher, which waits on the GPU and "
+                          "does not trace.", "Set model.compile_layers=false, or use grouped experts with "
+                          "expert parallel sizes 1, no capacity factor and no shared-expert overlap.")
 
 
 def _uses_transformer_engine(m) -> bool:

@@ -22,10 +22,6 @@ from types import SimpleNamespace
 import torch
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
-# router load-balancing types that keep exactly top-k experts per token
-_TOPK_BALANCING = {"aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"}
-
-
 class LocalTokenDispatcher(MoETokenDispatcher):
     """Permutes each token to its ``topk`` local experts and back, on the GPU only (see the module)."""
 
@@ -104,7 +100,8 @@ def use_local_token_dispatch(model: torch.nn.Module) -> int:
 
     Eligible: grouped-GEMM experts (they take the counts as a GPU tensor), expert parallel and
     expert tensor parallel size 1, megatron-core's ``alltoall`` or ``allgather`` dispatcher without
-    shared-expert overlap, no capacity factor, and a top-k router.
+    shared-expert overlap, and no capacity factor (:func:`~bridge_cli.models.moe_checks.local_dispatch_blocker`).
+    Every load-balancing type bridge accepts keeps exactly top-k experts per token.
     """
     from megatron.core.transformer.moe.moe_layer import MoELayer
     from megatron.core.transformer.moe.token_dispatcher import (
@@ -112,20 +109,15 @@ def use_local_token_dispatch(model: torch.nn.Module) -> int:
         MoEAlltoAllTokenDispatcher,
     )
 
-    from bridge_cli.models.moe_experts import GroupedGemmExperts
+    from bridge_cli.models.moe_checks import local_dispatch_blocker
 
     swapped = 0
     for layer in model.modules():
-        if not isinstance(layer, MoELayer) or not isinstance(layer.experts, GroupedGemmExperts):
+        if not isinstance(layer, MoELayer) or local_dispatch_blocker(layer.config):
             continue
-        dispatcher, config = layer.token_dispatcher, layer.config
-        balancing = config.moe_router_load_balancing_type
-        balancing = [balancing] if isinstance(balancing, str) else list(balancing)
+        dispatcher = layer.token_dispatcher
         if (type(dispatcher) in (MoEAlltoAllTokenDispatcher, MoEAllGatherTokenDispatcher)
-                and dispatcher.ep_size == 1 and dispatcher.tp_size == 1 and dispatcher.shared_experts is None
-                and config.moe_expert_capacity_factor is None and set(balancing) <= _TOPK_BALANCING
-                and not getattr(config, "moe_router_padding_for_quantization", False)
-                and not getattr(config, "moe_router_padding_for_fp8", False)):
+                and dispatcher.ep_size == 1 and dispatcher.tp_size == 1 and dispatcher.shared_experts is None):
             layer.token_dispatcher = LocalTokenDispatcher(dispatcher)
             swapped += 1
     return swapped
