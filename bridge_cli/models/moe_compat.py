@@ -1,12 +1,22 @@
-"""Names megatron-core's MoE code reads whether or not Transformer Engine is installed.
+"""Two fixes to megatron-core's MoE code, applied before an MoE model is built.
 
-megatron-core 0.16 imports ``te_general_gemm`` into ``moe.moe_utils`` only when Transformer Engine
-imports, yet the router's gating GEMM reads it unconditionally (``if te_general_gemm is not None``),
-so every MoE forward without Transformer Engine raises NameError. 0.17 and later define it as
-None in that case; this does the same for 0.16, on any device.
+``define_missing_te_names``: megatron-core 0.16 imports ``te_general_gemm`` into ``moe.moe_utils``
+only when Transformer Engine imports, yet the router's gating GEMM reads it unconditionally
+(``if te_general_gemm is not None``), so every MoE forward without Transformer Engine raises
+NameError. 0.17 and later define it as None in that case; this does the same for 0.16.
+
+``make_aux_loss_scaler_traceable``: the router attaches its auxiliary losses (load balancing,
+z-loss) with ``MoEAuxLossAutoScaler``, whose backward reads the loss scale that megatron-core's
+schedule stores on the class after each forward. ``torch.compile`` cannot trace that read, so under
+``model.compile_layers`` every MoE layer broke into separate graphs at each level of the router's
+calls (on one H100, the host then could not keep the GPU busy). The replacement backward does the
+same arithmetic and reads the scale inside a custom op, which compiled backward graphs call as it
+is, at backward time as before.
 """
 
 from __future__ import annotations
+
+import torch
 
 
 def define_missing_te_names() -> None:
@@ -15,3 +25,32 @@ def define_missing_te_names() -> None:
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+
+
+def make_aux_loss_scaler_traceable() -> None:
+    """Give ``MoEAuxLossAutoScaler`` a backward that ``torch.compile`` traces (:func:`aux_loss_scaler_backward`)."""
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    MoEAuxLossAutoScaler.backward = staticmethod(aux_loss_scaler_backward)
+
+
+@torch.library.custom_op("bridge::scaled_aux_loss_grad", mutates_args=())
+def scaled_aux_loss_grad(aux_loss: torch.Tensor) -> torch.Tensor:
+    """The gradient megatron-core gives an auxiliary loss: its current main-loss backward scale (1 if unset)."""
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    scale = MoEAuxLossAutoScaler.main_loss_backward_scale
+    ones = torch.ones_like(aux_loss)
+    return ones if scale is None else ones * scale.to(aux_loss.device).reshape(())  # the schedule's scale is [1]
+
+
+@scaled_aux_loss_grad.register_fake
+def _(aux_loss: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(aux_loss)
+
+
+def aux_loss_scaler_backward(ctx, grad_output: torch.Tensor):
+    """``MoEAuxLossAutoScaler.backward``'s arithmetic: the output's gradient passes through, and the
+    auxiliary loss gets the main loss's backward scale as its gradient."""
+    (aux_loss,) = ctx.saved_tensors
+    return grad_output, scaled_aux_loss_grad(aux_loss)

@@ -184,9 +184,10 @@ class GPTModelProvider(MLATransformerConfig):
         from bridge_cli.models.specs import default_spec_name, layer_spec
 
         if self.num_moe_experts:
-            from bridge_cli.models.moe_compat import define_missing_te_names
+            from bridge_cli.models.moe_compat import define_missing_te_names, make_aux_loss_scaler_traceable
 
             define_missing_te_names()
+            make_aux_loss_scaler_traceable()
         kwargs = {"vp_stage": vp_stage} if vp_stage is not None else {}
         spec = self.spec or default_spec_name()
         config = self
