@@ -36,9 +36,12 @@ TIMER = re.compile(r"^\s+(forward-backward|forward-compute|backward-compute|all-
                    r"optimizer)\s*\.*:\s*\(([0-9.]+), ([0-9.]+)\)", re.M)
 # CPU initialization draws every expert the same under any expert-parallel size (on the GPU each
 # EP rank draws its experts from its own seed), so the layouts start from the same model.
-DEFAULT_OVERRIDES = ["model.num_layers=8", "optimizer.use_distributed_optimizer=true", "model.use_cpu_initialization=true"]
+# Eager micro-batches of 1: compiled layers need the one-GPU token dispatch, which EP > 1 replaces.
+DEFAULT_OVERRIDES = ["model.num_layers=8", "optimizer.use_distributed_optimizer=true", "model.use_cpu_initialization=true",
+                     "model.compile_layers=false", "train.micro_batch_size=1"]
 RESUME_OVERRIDES = ["model.num_layers=2", "model.num_moe_experts=16", "model.vocab_size=32768",
-                    "optimizer.use_distributed_optimizer=true", "model.use_cpu_initialization=true"]
+                    "optimizer.use_distributed_optimizer=true", "model.use_cpu_initialization=true",
+                    "model.compile_layers=false", "train.micro_batch_size=1"]
 
 
 def summary(out: str, warmup: int = 3) -> dict:
