@@ -102,8 +102,8 @@ class CheckpointManager:
         except BaseException as err:  # torch's checkpoint writer raises CheckpointException, a BaseException
             if isinstance(err, (KeyboardInterrupt, SystemExit)):
                 raise
-            raise SaveFailed(f"saving iteration {step} into {root} failed: {_reason(err)}. Check the free space and "
-                             f"permissions there. {_still_loads(root)}") from err
+            raise SaveFailed(f"saving iteration {step} into {root} failed: {_failure(root, step, err)} "
+                             f"{_still_loads(root)}") from err
         self._cleared.add(root)
         if dist.get_rank() == 0 and request is None:
             self._last_size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
@@ -145,8 +145,8 @@ class CheckpointManager:
         if dist.get_rank() == 0 and self._last_size:
             free = shutil.disk_usage(root if root.exists() else root.parent).free
             if free < self._last_size * 1.05:
-                short = (f"saving iteration {step} into {root} needs about {self._last_size / 2**30:.2f} GiB (the size "
-                         f"of the last checkpoint) and {free / 2**30:.2f} GiB are free. {_still_loads(root)} Free "
+                short = (f"saving iteration {step} into {root} needs about {_size(self._last_size)} (the size "
+                         f"of the last checkpoint) and {_size(free)} are free. {_still_loads(root)} Free "
                          "space, lower checkpoint.most_recent_k, or point checkpoint.save elsewhere and resume.")
         if on_any_rank(short is not None):
             raise SaveFailed(short or f"saving iteration {step} into {root}: no room on rank 0's disk (see rank 0).")
@@ -176,6 +176,25 @@ class CheckpointManager:
 
             self._async_queue = AsyncCallsQueue(persistent=self.cfg.use_persistent_ckpt_worker)
         return self._async_queue
+
+
+def _failure(root: Path, step: int, err: BaseException) -> str:
+    """Why ``step``'s save into ``root`` failed, naming a full disk as one (torch's writers report a short
+    write as "unexpected pos ..."); rank 0 removes the partial folder, freeing what it took."""
+    reason, partial = _reason(err), layout.incomplete_dir(root, step)
+    written = sum(f.stat().st_size for f in partial.rglob("*") if f.is_file()) if partial.is_dir() else 0
+    usage = shutil.disk_usage(root) if root.is_dir() else None
+    if dist.get_rank() == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+    if "No space left" in reason or (usage and usage.free < max(64 * 2**20, usage.total / 100)):
+        return (f"the device holding it is full ({_size(usage.free)} free after writing "
+                f"{_size(written)} of this checkpoint; {reason}). The partial save was removed. Free "
+                "space, lower checkpoint.most_recent_k, or point checkpoint.save elsewhere and resume.")
+    return f"{reason}. Check the free space and permissions there."
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
 
 
 def _reason(err: BaseException) -> str:

@@ -52,3 +52,51 @@ def test_a_failed_save_names_the_folder_and_keeps_the_last_checkpoint(tmp_path):
     again = bridge("pretrain", *args)  # and it does: the run resumes from 10 and finishes
     assert again.returncode == 0 and "resuming at iteration 10" in again.stdout, again.stderr[-2000:]
     assert (folder / "latest_checkpointed_iteration.txt").read_text() == "20"
+
+
+FULL_DISK_RUN = """
+mount -t tmpfs -o size=$1 tmpfs "$2/disk" || exit 99
+"$3" -m bridge_cli pretrain recipe=tiny train.train_iters=20 train.eval_iters=0 checkpoint.save_interval=10 \\
+  checkpoint.save="$2/disk/ckpt" > "$2/out" 2> "$2/err"
+echo $? > "$2/rc"
+ls -A "$2/disk/ckpt" > "$2/listing"
+cat "$2/disk/ckpt/latest_checkpointed_iteration.txt" > "$2/tracker" 2> /dev/null
+"$3" -m bridge_cli pretrain recipe=tiny train.train_iters=20 train.exit_interval=12 train.eval_iters=0 \\
+  checkpoint.load="$2/disk/ckpt" > "$2/resumed" 2>&1
+"""
+
+
+def on_a_small_disk(tmp_path, size: str) -> dict:
+    """`bridge pretrain` saving into a tmpfs of ``size`` mounted in a private mount namespace (no root
+    needed where user namespaces are allowed), then a run loading what it saved; what each step left."""
+    (tmp_path / "disk").mkdir()
+    script = tmp_path / "run.sh"
+    script.write_text(FULL_DISK_RUN)
+    done = subprocess.run(["unshare", "-rm", "sh", str(script), size, str(tmp_path), sys.executable],
+                          capture_output=True, text=True, cwd=REPO, timeout=600)
+    if done.returncode == 99 or not (tmp_path / "rc").exists():
+        pytest.skip(f"cannot mount a tmpfs in a private namespace here: {done.stderr.strip()[-200:]}")
+    return {name: (tmp_path / name).read_text() for name in ("rc", "err", "listing", "tracker", "resumed")}
+
+
+@pytest.mark.slow
+def test_a_disk_that_fills_during_the_first_save_is_named_and_the_partial_save_removed(tmp_path):
+    run = on_a_small_disk(tmp_path, "4m")  # a tiny checkpoint is 7.5 MiB
+    assert run["rc"].strip() == "1" and "Traceback" not in run["err"], run["err"][-3000:]
+    error = run["err"].strip().splitlines()[-1]
+    assert error.startswith(f"error: saving iteration 10 into {tmp_path}/disk/ckpt failed: the device holding it is "
+                            "full (") and "The partial save was removed." in error, error
+    assert "No earlier checkpoint is there." in error
+    assert run["listing"].split() == [] and run["tracker"] == ""  # nothing half-written, no lock left
+
+
+@pytest.mark.slow
+def test_a_save_that_would_not_fit_is_refused_before_writing_and_the_last_one_loads(tmp_path):
+    run = on_a_small_disk(tmp_path, "12m")  # room for one tiny checkpoint, not two
+    assert run["rc"].strip() == "1" and "Traceback" not in run["err"], run["err"][-3000:]
+    error = run["err"].strip().splitlines()[-1]
+    assert error.startswith(f"error: saving iteration 20 into {tmp_path}/disk/ckpt needs about 7.") and \
+        "MiB (the size of the last checkpoint) and " in error, error
+    assert "The previous checkpoint (iter_0000010) is still the one that loads." in error
+    assert run["listing"].split() == ["iter_0000010", "latest_checkpointed_iteration.txt"]
+    assert run["tracker"] == "10" and "resuming at iteration 10" in run["resumed"], run["resumed"][-2000:]
