@@ -22,6 +22,9 @@ def check_output_folders(folders: Iterable[tuple[str, Optional[str]]]) -> None:
             existing = existing.parent
         if not existing.is_dir():
             raise ConfigError(key, f"{path} cannot be created: {existing} is a file.", "Choose another folder.")
+        if os.statvfs(existing).f_flag & os.ST_RDONLY:
+            raise ConfigError(key, f"{path} is on a read-only file system ({existing}).",
+                              "Choose a folder on a writable file system.")
         if not os.access(existing, os.W_OK | os.X_OK):
             raise ConfigError(key, f"{path} is not writable ({existing} does not allow this user to write).",
                               "Choose a folder you can write, or fix its permissions.")

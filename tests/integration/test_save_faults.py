@@ -56,6 +56,7 @@ def test_a_failed_save_names_the_folder_and_keeps_the_last_checkpoint(tmp_path):
 
 FULL_DISK_RUN = """
 mount -t tmpfs -o size=$1 tmpfs "$2/disk" || exit 99
+[ -n "$4" ] && { mount -o remount,ro "$2/disk" || exit 99; }
 "$3" -m bridge_cli pretrain recipe=tiny train.train_iters=20 train.eval_iters=0 checkpoint.save_interval=10 \\
   checkpoint.save="$2/disk/ckpt" > "$2/out" 2> "$2/err"
 echo $? > "$2/rc"
@@ -66,13 +67,14 @@ cat "$2/disk/ckpt/latest_checkpointed_iteration.txt" > "$2/tracker" 2> /dev/null
 """
 
 
-def on_a_small_disk(tmp_path, size: str) -> dict:
+def on_a_small_disk(tmp_path, size: str, read_only: bool = False) -> dict:
     """`bridge pretrain` saving into a tmpfs of ``size`` mounted in a private mount namespace (no root
     needed where user namespaces are allowed), then a run loading what it saved; what each step left."""
     (tmp_path / "disk").mkdir()
     script = tmp_path / "run.sh"
     script.write_text(FULL_DISK_RUN)
-    done = subprocess.run(["unshare", "-rm", "sh", str(script), size, str(tmp_path), sys.executable],
+    done = subprocess.run(["unshare", "-rm", "sh", str(script), size, str(tmp_path), sys.executable,
+                           "ro" if read_only else ""],
                           capture_output=True, text=True, cwd=REPO, timeout=600)
     if done.returncode == 99 or not (tmp_path / "rc").exists():
         pytest.skip(f"cannot mount a tmpfs in a private namespace here: {done.stderr.strip()[-200:]}")
@@ -100,3 +102,11 @@ def test_a_save_that_would_not_fit_is_refused_before_writing_and_the_last_one_lo
     assert "The previous checkpoint (iter_0000010) is still the one that loads." in error
     assert run["listing"].split() == ["iter_0000010", "latest_checkpointed_iteration.txt"]
     assert run["tracker"] == "10" and "resuming at iteration 10" in run["resumed"], run["resumed"][-2000:]
+
+
+@pytest.mark.slow
+def test_a_read_only_checkpoint_folder_is_refused_before_training(tmp_path):
+    run = on_a_small_disk(tmp_path, "4m", read_only=True)
+    assert run["rc"].strip() == "2" and "Traceback" not in run["err"], run["err"][-3000:]
+    assert f"checkpoint.save: {tmp_path}/disk/ckpt is on a read-only file system ({tmp_path}/disk)" in run["err"]
+    assert "consumed samples" not in (tmp_path / "out").read_text()  # refused before any training step
