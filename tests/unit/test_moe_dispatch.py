@@ -10,8 +10,8 @@ import torch.nn.functional as F
 
 from bridge_cli.models.moe_dispatch import LocalTokenDispatcher
 from bridge_cli.models.provider import GPTModelProvider
-
-VOCAB, SEQ, BATCH = 128, 16, 2
+from tests.unit.test_moe_grouped_experts import SEQ, VOCAB
+from tests.unit.test_moe_grouped_experts import forward_backward as logits_after_backward
 
 
 def build(dispatcher: str = "alltoall", **overrides):
@@ -47,12 +47,8 @@ def with_megatron_dispatchers(model, dispatcher: str):
 
 
 def forward_backward(model):
-    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
-    position_ids = torch.arange(SEQ).expand(BATCH, SEQ)
-    model.zero_grad()
-    logits = model(tokens, position_ids, None)
-    logits.float().square().mean().backward()
-    return logits.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+    logits = logits_after_backward(model)
+    return logits, {name: p.grad.clone() for name, p in model.named_parameters()}
 
 
 @pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
