@@ -186,11 +186,13 @@ def _failure(root: Path, step: int, err: BaseException) -> str:
     usage = shutil.disk_usage(root) if root.is_dir() else None
     if dist.get_rank() == 0:
         shutil.rmtree(partial, ignore_errors=True)
-    if "No space left" in reason or (usage and usage.free < max(64 * 2**20, usage.total / 100)):
-        return (f"the device holding it is full ({_size(usage.free)} free after writing "
-                f"{_size(written)} of this checkpoint; {reason}). The partial save was removed. Free "
-                "space, lower checkpoint.most_recent_k, or point checkpoint.save elsewhere and resume.")
-    return f"{reason}. Check the free space and permissions there."
+    full = usage is not None and usage.free < max(64 * 2**20, usage.total / 100)
+    if "No space left" in reason or full:
+        free = f"{_size(usage.free)} free " if usage is not None else ""
+        return (f"the device holding it is full ({free}after writing {_size(written)} of this checkpoint; "
+                f"{reason}). The partial save was removed. Free space, lower checkpoint.most_recent_k, or point "
+                "checkpoint.save elsewhere and resume.")
+    return f"{reason}. The partial save was removed. Check the free space and permissions there."
 
 
 def _size(nbytes: float) -> str:
