@@ -297,6 +297,7 @@ def test_imported_gpt_oss_trains_the_same_at_tensor_and_expert_parallel_two(impo
     assert curves[1][1] == pytest.approx(curves[0][1], abs=2e-3), curves
 
 
+@pytest.mark.slow  # its fixture converts every family (about 70 s)
 def test_an_imported_gemma3_trains(imported):
     """Its sliding-window and global layers, post-sublayer norms and scaled embeddings train on mock data."""
     result = ok(bridge("pretrain", f"recipe={imported['gemma3_text'] / 'recipe.yaml'}", "train.train_iters=12",
@@ -410,6 +411,7 @@ def test_export_refuses_a_model_transformers_cannot_hold(cli, imported, tmp_path
     assert empty.exit_code == 2 and "no checkpoint there" in empty.stderr
 
 
+@pytest.mark.slow  # the imported fixture converts every family
 def test_export_refuses_a_family_that_cannot_hold_the_model(cli, imported, tmp_path):
     result = cli("convert-ckpt", "export-hf", str(imported["qwen2"]), str(tmp_path / "out"), "--model-type", "llama")
     assert result.exit_code == 2 and "a llama model cannot hold this checkpoint's model" in result.stderr

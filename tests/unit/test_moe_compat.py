@@ -3,6 +3,7 @@ backward time, and a function that ``torch.compile`` traces whole."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from bridge_cli.models.moe_compat import make_aux_loss_scaler_traceable
@@ -27,6 +28,7 @@ def grads_with_scale_set_after_forward(fn, scale: float):
     return probs.grad
 
 
+@pytest.mark.slow  # compiles on the CPU
 def test_the_aux_loss_gets_the_scale_set_after_the_forward_in_eager_and_compiled(monkeypatch):
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
