@@ -113,7 +113,7 @@ def local_dispatch_blocker(m) -> Optional[str]:
 
 def _check_compile(m) -> None:
     blocker = local_dispatch_blocker(m)
-    if getattr(m, "compile_layers", False) and blocker:
+    if m.compile_layers and blocker:
         raise ConfigError("model.compile_layers", f"compiles MoE layers whose tokens stay on this rank, and here "
                           f"{blocker} sends them through megatron-core's dispatcher, which waits on the GPU and "
                           "does not trace.", "Set model.compile_layers=false, or use grouped experts with "

@@ -9,9 +9,8 @@ NameError. 0.17 and later define it as None in that case; this does the same for
 z-loss) with ``MoEAuxLossAutoScaler``, whose backward reads the loss scale that megatron-core's
 schedule stores on the class after each forward. ``torch.compile`` cannot trace that read, so under
 ``model.compile_layers`` every MoE layer broke into separate graphs at each level of the router's
-calls (on one H100, the host then could not keep the GPU busy). The replacement backward does the
-same arithmetic and reads the scale inside a custom op, which compiled backward graphs call as it
-is, at backward time as before.
+calls. The replacement backward does the same arithmetic and reads the scale inside a custom op,
+which compiled backward graphs call as it is, at backward time as before.
 """
 
 from __future__ import annotations

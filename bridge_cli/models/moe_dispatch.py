@@ -22,6 +22,7 @@ from types import SimpleNamespace
 import torch
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
+
 class LocalTokenDispatcher(MoETokenDispatcher):
     """Permutes each token to its ``topk`` local experts and back, on the GPU only (see the module)."""
 
@@ -95,8 +96,8 @@ class _SumRows(torch.autograd.Function):
         return grad.index_select(0, token_of_row), None, None, None
 
 
-def use_local_token_dispatch(model: torch.nn.Module) -> int:
-    """Give every eligible MoE layer of ``model`` a :class:`LocalTokenDispatcher`; returns how many.
+def use_local_token_dispatch(model: torch.nn.Module) -> None:
+    """Give every eligible MoE layer of ``model`` a :class:`LocalTokenDispatcher`.
 
     Eligible: grouped-GEMM experts (they take the counts as a GPU tensor), expert parallel and
     expert tensor parallel size 1, megatron-core's ``alltoall`` or ``allgather`` dispatcher without
@@ -111,13 +112,7 @@ def use_local_token_dispatch(model: torch.nn.Module) -> int:
 
     from bridge_cli.models.moe_checks import local_dispatch_blocker
 
-    swapped = 0
     for layer in model.modules():
-        if not isinstance(layer, MoELayer) or local_dispatch_blocker(layer.config):
-            continue
-        dispatcher = layer.token_dispatcher
-        if (type(dispatcher) in (MoEAlltoAllTokenDispatcher, MoEAllGatherTokenDispatcher)
-                and dispatcher.ep_size == 1 and dispatcher.tp_size == 1 and dispatcher.shared_experts is None):
-            layer.token_dispatcher = LocalTokenDispatcher(dispatcher)
-            swapped += 1
-    return swapped
+        if (isinstance(layer, MoELayer) and not local_dispatch_blocker(layer.config)
+                and type(layer.token_dispatcher) in (MoEAlltoAllTokenDispatcher, MoEAllGatherTokenDispatcher)):
+            layer.token_dispatcher = LocalTokenDispatcher(layer.token_dispatcher)
