@@ -10,6 +10,8 @@ conversion and LoRA merging call this directly.
 
 from __future__ import annotations
 
+import queue
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -36,8 +38,9 @@ def write_checkpoint(root: Path, iteration: int, sharded: dict, run_record: dict
         if clear_interrupted:
             layout.remove_incomplete(root, keep=tmp)
     dist.barrier()
-    request = dist_checkpointing.save(sharded, str(tmp), strategy, async_sharded_save=async_save,
-                                      content_metadata=content_metadata, **_async_strategy(async_save))
+    with _results_in_this_process(async_save):
+        request = dist_checkpointing.save(sharded, str(tmp), strategy, async_sharded_save=async_save,
+                                          content_metadata=content_metadata, **_async_strategy(async_save))
     finish = partial(_publish, Path(root), iteration, run_record, keep)
     if request is None:
         finish()
@@ -63,6 +66,27 @@ def _publish(root: Path, iteration: int, run_record: dict, keep: int) -> None:
         layout.publish(root, iteration)
         layout.prune(root, keep, protect=iteration)
     dist.barrier()
+
+
+@contextmanager
+def _results_in_this_process(async_save: bool):
+    """megatron-core's torch_dist writer passes its write results through a multiprocessing Manager
+    that it starts with "spawn" at a process's first save: a fresh interpreter that imports torch to
+    unpickle them, 2 of the 2.3 s a tiny model's first save took on the CPU machine, and torch's
+    import time again on every rank of every run (3.6-6.7 s on the GPU machine). A synchronous save
+    writes and collects its results in this process, so for it an in-process queue does; an async
+    save's writer runs in another process and keeps megatron-core's manager."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if async_save or not hasattr(filesystem_async, "_results_queue"):  # megatron-core 0.16-0.19's cache
+        yield
+        return
+    kept = filesystem_async._results_queue
+    filesystem_async._results_queue = queue.Queue()
+    try:
+        yield
+    finally:
+        filesystem_async._results_queue = kept
 
 
 def _async_strategy(async_save: bool) -> dict[str, str]:
