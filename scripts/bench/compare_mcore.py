@@ -18,8 +18,11 @@ on it, ``docsN causal`` (attention across documents, the causal kernel) and ``do
 block masks), and prints masked / causal tokens/s.
 
 ``--titan PATH`` adds torchtitan (``shared/bench/titan/run_titan.py``, its wheels installed as its README
-says) at its best setting, micro-batch 4 x 2 compiled, to the same table. A run that fails (out of
-memory, say) is a row that says so; the others go on.
+says) at its best setting, micro-batch 4 x 2 compiled, to the same table; each
+``--titan-variant NAME:FLAGS`` adds a torchtitan run at that setting with its own flags on top, e.g.
+``fp8tw:--model.converters quantize.linear.float8 --quantize.linear.float8.recipe_name tensorwise``
+(float8 through torchao, whose wheel must be installed too). A run that fails (out of memory, say)
+is a row that says so; the others go on.
 """
 
 from __future__ import annotations
@@ -67,10 +70,11 @@ def bare(baseline: Path, steps: int, warmup: int) -> dict:
             "peak_mem_GiB": res["peak_mem_GiB"], "to_first_step_s": res["to_first_step_done_s"], "wall_s": wall}
 
 
-def titan(script: Path, steps: int, warmup: int) -> dict:
-    """torchtitan at its best setting measured so far: 4 sequences a micro-batch, 2 micro-batches, compiled."""
+def titan(script: Path, steps: int, warmup: int, flags: list[str] = ()) -> dict:
+    """torchtitan at its best setting measured so far: 4 sequences a micro-batch, 2 micro-batches, compiled;
+    ``flags`` go to its trainer."""
     out, wall = run([sys.executable, str(script), "--local-batch", "4", "--grad-accum", "2", "--compile",
-                     "--steps", str(steps), "--warmup", str(warmup)])
+                     "--steps", str(steps), "--warmup", str(warmup), *(["--", *flags] if flags else [])])
     res = json.loads(out.strip().splitlines()[-1])
     return {"step_ms": res["step_ms_median"], "tok_s_gpu": round(res["tokens_per_s"]),
             "tflops_gpu": res["tflops_per_s"], "peak_mem_GiB": res["peak_mem_gib"], "wall_s": wall}
@@ -116,10 +120,15 @@ def main() -> None:
                         help="also run causal vs per-document masked attention on rows of about N documents")
     parser.add_argument("--titan", type=Path, metavar="RUN_TITAN_PY",
                         help="also run torchtitan (shared/bench/titan/run_titan.py) at 4 x 2, compiled")
+    parser.add_argument("--titan-variant", action="append", default=[], metavar="NAME:FLAGS",
+                        help="also run torchtitan at 4 x 2 compiled with these trainer flags (needs --titan)")
     args = parser.parse_args()
     runs = {"bare mcore": lambda: bare(args.baseline, args.steps, args.warmup)}
     if args.titan:
         runs["titan 4x2 comp"] = lambda: titan(args.titan, args.steps, args.warmup)
+    for variant in args.titan_variant:
+        name, flags = variant.split(":", 1)
+        runs[f"titan {name}"] = lambda f=flags.split(): titan(args.titan, args.steps, args.warmup, f)
     runs["bridge"] = lambda: bridge(args.steps, args.warmup, [])
     for variant in args.variant:
         name, overrides = variant.split(":", 1)
