@@ -10,7 +10,15 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from tests.forked_cli import ForkedCli
+
 REPO = Path(__file__).resolve().parent.parent
+
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    # Each xdist worker, and every run it starts, gets its share of the cores: two workers of two
+    # threads each on a 2-core machine spend their time switching. Set before torch is imported,
+    # since OpenMP reads it once.
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, os.cpu_count() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
 
 
 @pytest.fixture
@@ -43,17 +51,56 @@ def one_process():
 
 def run(*args: str, timeout: int = 600, env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
     """Run a command (e.g. `bridge pretrain ...`) as a user would, capturing its output."""
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    return subprocess.run(list(args), capture_output=True, text=True, timeout=timeout, env=full_env, cwd=cwd or REPO)
+    return subprocess.run(list(args), capture_output=True, text=True, timeout=timeout, env=_full_env(env),
+                          cwd=cwd or REPO)
 
 
-def bridge(*args: str, **kwargs) -> subprocess.CompletedProcess:
-    return run(sys.executable, "-m", "bridge_cli", *args, **kwargs)
+def bridge(*args: str, timeout: int = 600, env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """`python -m bridge_cli ARGS`, as a fork of a process that has imported it (tests/forked_cli.py)."""
+    command = [sys.executable, "-m", "bridge_cli", *args]
+    envs = [_full_env(env)]
+    if not _FORKED.can_fork(envs):
+        return run(*command, timeout=timeout, env=env, cwd=cwd)
+    return _FORKED.runs(command, envs, timeout, cwd or REPO)
 
 
-def torchrun(nproc: int, *args: str, **kwargs) -> subprocess.CompletedProcess:
-    return run(sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-               "--master-port", str(_free_port()), "-m", "bridge_cli", *args, **kwargs)
+def torchrun(nproc: int, *args: str, timeout: int = 600, env: dict | None = None,
+             cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """`torchrun --nproc-per-node N -m bridge_cli ARGS`: N forks, each with the variables torchrun gives its rank.
+
+    Real torchrun launches are covered by tests/integration/test_multinode_cpu.py, the README's
+    commands and the Slurm templates.
+    """
+    port = str(_free_port())
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", port,
+               "-m", "bridge_cli", *args]
+    base = {"OMP_NUM_THREADS": "1", **_full_env(env)}  # torchrun's default for more than one process a node
+    envs = [{**base, **_torchrun_rank(rank, nproc, port)} for rank in range(nproc)]
+    if not _FORKED.can_fork(envs):
+        return run(*command, timeout=timeout, env=env, cwd=cwd)
+    return _FORKED.runs(command, envs, timeout, cwd or REPO)
+
+
+def _torchrun_rank(rank: int, nproc: int, port: str) -> dict[str, str]:
+    """The variables torchrun's agent sets for each worker of a one-node job."""
+    return {"RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
+            "ROLE_NAME": "default", "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
+            "GROUP_WORLD_SIZE": "1", "ROLE_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": port, "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
+            "TORCHELASTIC_RUN_ID": "none"}
+
+
+def _full_env(env: dict | None) -> dict[str, str]:
+    return {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+
+
+_FORKED = ForkedCli()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _forked_cli_server():
+    yield
+    _FORKED.close()
 
 
 def _free_port() -> int:

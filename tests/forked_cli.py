@@ -1,0 +1,231 @@
+"""A process that imports torch, megatron-core and bridge_cli once, then forks one child per `bridge` run.
+
+A `bridge` process spends about 4 of its first 4.5 s on the CPU machine importing torch and
+megatron-core; the suite starts a few hundred of them. Here each run is a fork of an interpreter
+that has done those imports and nothing else (no tensor op, no thread pool, no process group), so
+the child starts where a fresh `python -m bridge_cli` would be after its imports: it gets the
+run's argv, environment, working directory, /dev/null as stdin and its own output files, runs
+`bridge_cli`'s `__main__`, and exits through the interpreter's exit steps (threads joined, atexit
+handlers run, streams flushed) with the exit code Python would give. Several children started by
+one request form a torchrun-style world: torchrun's environment variables per rank, one thread
+each unless the caller set OMP_NUM_THREADS, and, as torchrun does, the others are stopped as soon
+as one fails.
+
+Only a run whose environment differs from the server's in variables read while bridge runs (never
+at import) can be a fork; `ForkedCli.runs` starts any other as a fresh process, and so does every
+run when BRIDGE_TEST_FRESH_PROCESSES=1 is set. The server reads one JSON request per line on stdin
+and writes one JSON reply per line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+# What bridge and the libraries it imports at run time (not at import) read from the environment,
+# and pytest's name of the test being run, which nothing reads.
+RUN_TIME_VARIABLES = re.compile(
+    r"(BRIDGE_|MLFLOW_|COMET_|WANDB_|SLURM_|TORCHELASTIC_).*|RANK|LOCAL_RANK|GROUP_RANK|ROLE_RANK|ROLE_NAME|"
+    r"WORLD_SIZE|LOCAL_WORLD_SIZE|GROUP_WORLD_SIZE|ROLE_WORLD_SIZE|MASTER_ADDR|MASTER_PORT|OMP_NUM_THREADS|"
+    r"PYTEST_CURRENT_TEST")
+
+
+class ForkedCli:
+    """The test side: one server per test process, started at the first run, restarted if it dies."""
+
+    def __init__(self) -> None:
+        self._server: subprocess.Popen | None = None
+        self._env: dict[str, str] = {}
+
+    def runs(self, command: list[str], envs: list[dict[str, str]], timeout: float, cwd: Path) -> subprocess.CompletedProcess:
+        """Run ``command`` once per environment in ``envs`` (one for `bridge`, one per rank for torchrun)."""
+        argv = command[command.index("bridge_cli") + 1:]
+        with tempfile.TemporaryDirectory(prefix="forked-cli-") as tmp:
+            out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
+            request = {"procs": [{"argv": argv, "env": env} for env in envs], "cwd": str(cwd),
+                       "stdout": str(out), "stderr": str(err), "timeout": timeout}
+            reply = self._ask(request)
+            stdout, stderr = (path.read_text(errors="replace") if path.exists() else "" for path in (out, err))
+        if reply.get("timed_out"):
+            raise subprocess.TimeoutExpired(command, timeout, output=stdout, stderr=stderr)
+        return subprocess.CompletedProcess(command, reply["returncode"], stdout, stderr)
+
+    def can_fork(self, envs: list[dict[str, str]]) -> bool:
+        if os.environ.get("BRIDGE_TEST_FRESH_PROCESSES") == "1":
+            return False
+        reference = self._env or _server_env()
+        return all(RUN_TIME_VARIABLES.fullmatch(key)
+                   for env in envs for key in set(env) | set(reference) if env.get(key) != reference.get(key))
+
+    def _ask(self, request: dict) -> dict:
+        if self._server is None or self._server.poll() is not None:
+            self._start()
+        self._server.stdin.write(json.dumps(request) + "\n")
+        self._server.stdin.flush()
+        line = self._server.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the forked-CLI server died (exit {self._server.wait()})")
+        return json.loads(line)
+
+    def _start(self) -> None:
+        self._env = _server_env()
+        self._server = subprocess.Popen([sys.executable, "-m", "tests.forked_cli"], cwd=REPO, env=self._env, text=True,
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        if self._server.stdout.readline() != "ready\n":
+            raise RuntimeError(f"the forked-CLI server did not start (exit {self._server.wait()})")
+
+    def close(self) -> None:
+        """Stop the server (it holds no run: each request waits for its children)."""
+        if self._server is not None and self._server.poll() is None:
+            self._server.kill()
+            self._server.wait()
+
+
+def _server_env() -> dict[str, str]:
+    return {**os.environ, "PYTHONUNBUFFERED": "1"}
+
+
+def main() -> None:
+    reply = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # stray prints of the imports below go where the caller's stderr goes, not into replies
+    from bridge_cli.runtime.mcore_import import import_megatron_core
+
+    import_megatron_core()  # as a training run imports it: fused kernels bound to torch.compile
+    # what training and conversion runs import on their way (Hydra, checkpoints, models, the HF importer)
+    import bridge_cli.checkpoint.save  # noqa: F401 - the point of this process
+    import bridge_cli.cli.app  # noqa: F401
+    import bridge_cli.config.compose  # noqa: F401
+    import bridge_cli.convert.hf_import  # noqa: F401
+    import bridge_cli.models.gpt_model  # noqa: F401
+    import bridge_cli.runtime.distributed  # noqa: F401
+    import bridge_cli.training.pretrain  # noqa: F401
+
+    print("ready", file=reply, flush=True)
+    for line in sys.stdin:
+        request = json.loads(line)
+        print(json.dumps(serve(request)), file=reply, flush=True)
+
+
+def serve(request: dict) -> dict:
+    """Start every process of ``request``, wait for all, stop the rest when one fails or time runs out."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    children = [fork(proc, request) for proc in request["procs"]]
+    deadline = time.monotonic() + request["timeout"]
+    codes: dict[int, int] = {}
+    while len(codes) < len(children):
+        pid, status = os.waitpid(-1, os.WNOHANG)
+        if pid:
+            codes[pid] = os.waitstatus_to_exitcode(status)
+            if codes[pid] != 0:
+                stop(children, codes, signal.SIGTERM, grace=5.0)
+            continue
+        if time.monotonic() > deadline:
+            stop(children, codes, signal.SIGKILL, grace=5.0)
+            return {"timed_out": True}
+        time.sleep(0.01)
+    results = [codes[pid] for pid in children]
+    if len(results) == 1:
+        return {"returncode": results[0]}
+    return {"returncode": 0 if all(code == 0 for code in results) else 1}  # torchrun's own exit code
+
+
+def stop(children: list[int], codes: dict[int, int], sig: int, grace: float) -> None:
+    """Signal each child still running (and its process group), then reap; SIGKILL what outlives ``grace``."""
+    for pid in children:
+        if pid not in codes:
+            _kill_group(pid, sig)
+    deadline = time.monotonic() + grace
+    while len(codes) < len(children):
+        pid, status = os.waitpid(-1, os.WNOHANG)
+        if pid:
+            codes[pid] = os.waitstatus_to_exitcode(status)
+        elif time.monotonic() > deadline:
+            for other in children:
+                if other not in codes:
+                    _kill_group(other, signal.SIGKILL)
+            deadline = float("inf")
+        else:
+            time.sleep(0.01)
+
+
+def _kill_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def fork(proc: dict, request: dict) -> int:
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 1
+    try:
+        os.setpgid(0, 0)
+        code = run_child(proc, request)
+    except BaseException:  # noqa: BLE001 - the child must never return into the server's loop
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        os._exit(code)
+
+
+def run_child(proc: dict, request: dict) -> int:
+    """What `python -m bridge_cli ARGV` does after its imports, in this forked process."""
+    import atexit
+    import runpy
+    import threading
+    import traceback
+
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT
+    os.dup2(devnull, 0)
+    os.dup2(os.open(request["stdout"], flags, 0o644), 1)
+    os.dup2(os.open(request["stderr"], flags, 0o644), 2)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(proc["env"])
+    if "OMP_NUM_THREADS" in proc["env"]:
+        # OpenMP read the variable when this interpreter loaded it; set what it would have read.
+        import torch
+
+        torch.set_num_threads(int(proc["env"]["OMP_NUM_THREADS"]))
+    sys.path[0] = os.getcwd()  # as `python -m` puts the working directory first
+    sys.argv = ["-m", *proc["argv"]]
+    code = 0
+    try:
+        runpy.run_module("bridge_cli", run_name="__main__", alter_sys=True)
+    except SystemExit as exit_:
+        code = _exit_code(exit_.code)
+    except BaseException:  # noqa: BLE001 - what the interpreter does with an uncaught exception
+        traceback.print_exc()
+        code = 1
+    threading._shutdown()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    return code
+
+
+def _exit_code(value) -> int:
+    if value is None:
+        return 0
+    if isinstance(value, int):
+        return value & 0xFF
+    print(value, file=sys.stderr)
+    return 1
+
+
+if __name__ == "__main__":
+    main()
