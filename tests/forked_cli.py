@@ -19,6 +19,7 @@ and writes one JSON reply per line.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -60,7 +61,7 @@ class ForkedCli:
         return subprocess.CompletedProcess(command, reply["returncode"], stdout, stderr)
 
     def can_fork(self, envs: list[dict[str, str]]) -> bool:
-        if os.environ.get("BRIDGE_TEST_FRESH_PROCESSES") == "1":
+        if os.environ.get("BRIDGE_TEST_FRESH_PROCESSES") == "1" or _gpu_visible():
             return False
         reference = self._env or _server_env()
         return all(RUN_TIME_VARIABLES.fullmatch(key)
@@ -88,6 +89,15 @@ class ForkedCli:
         if self._server is not None and self._server.poll() is None:
             self._server.kill()
             self._server.wait()
+
+
+@functools.cache
+def _gpu_visible() -> bool:
+    """Where a GPU is visible the runs start fresh: CUDA, once its driver is initialised, does not
+    survive a fork, and megatron-core's import may initialise it."""
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _server_env() -> dict[str, str]:

@@ -29,10 +29,12 @@ MIN_CAPABILITY = (8, 9)
 
 def check_low_precision(cfg, spec: str, device: str) -> None:
     """Raise ConfigError for an FP8/FP4 setting the run's layer ``spec`` or ``device`` cannot honour."""
+    m = cfg.model
+    if m.fp8_output_layer:
+        _check_output_layer(cfg, spec)
     if spec == "te":
         return
     _refuse_te_only(cfg, spec)
-    m = cfg.model
     if not m.fp8:
         return
     if m.fp8_recipe not in TORCH_RECIPES:
@@ -47,6 +49,21 @@ def check_low_precision(cfg, spec: str, device: str) -> None:
                           "Use mixed_precision=bf16_with_fp8_current_scaling_mixed (or bf16_with_fp8_rowwise_mixed).")
     if device == "cuda":
         _check_gpu()
+
+
+def _check_output_layer(cfg, spec: str) -> None:
+    m = cfg.model
+    if spec == "te":
+        raise ConfigError("model.fp8_output_layer", "is the torch and local specs' FP8 output layer; the te spec's "
+                          "FP8 is Transformer Engine's, which leaves megatron-core's output layer in bf16.",
+                          "Unset model.fp8_output_layer, or use model.spec=torch.")
+    if not m.fp8:
+        raise ConfigError("model.fp8_output_layer", "runs the output layer in FP8 and model.fp8 is not set.",
+                          "Add mixed_precision=bf16_with_fp8_current_scaling_mixed (or bf16_with_fp8_rowwise_mixed).")
+    if m.fused_linear_cross_entropy:
+        raise ConfigError("model.fp8_output_layer", "and model.fused_linear_cross_entropy both claim the output "
+                          "layer: the fused loss computes its GEMMs itself, in bf16.",
+                          "Set one of them to false.")
 
 
 def _refuse_te_only(cfg, spec: str) -> None:

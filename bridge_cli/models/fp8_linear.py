@@ -16,8 +16,8 @@ Only the GEMM inputs are fp8: parameters stay in their dtype (bf16, fp32 main co
 optimizer) and so do the checkpoints, which load into a bf16 run unchanged and back. The
 tensor-parallel communication is megatron-core's own (its copy/gather mappings around the GEMM).
 A linear layer whose partition has a dimension that is not a multiple of 16 (what the FP8 GEMM
-needs) stays in bf16, as do the output layer and MoE routers and experts, which megatron-core
-builds outside these layers.
+needs) stays in bf16, as do MoE routers and experts, which megatron-core builds outside these
+layers, and the output layer unless ``model.fp8_output_layer`` is set.
 """
 
 from __future__ import annotations
@@ -194,6 +194,15 @@ def keep_layers_in_bf16(model: torch.nn.Module, config) -> int:
                     module.fp8 = None
                     switched += 1
     return switched
+
+
+def output_layer_in_fp8(model: torch.nn.Module, config) -> None:
+    """Run ``model``'s output layer (megatron-core's ColumnParallelLinear, given the embedding's weight
+    when the two are tied) as an FP8 GEMM: ``model.fp8_output_layer``."""
+    layer = model.output_layer
+    weight = layer.weight if layer.weight is not None else model.shared_embedding_or_output_weight()
+    layer.__class__ = Fp8ColumnParallelLinear  # the same module and parameters; only _forward_impl differs
+    layer.fp8 = Fp8Scaling.from_config(config) if all(d % GEMM_MULTIPLE == 0 for d in weight.shape) else None
 
 
 def fp8_linear_count(model: torch.nn.Module) -> tuple[int, int]:

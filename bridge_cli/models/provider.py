@@ -132,6 +132,9 @@ class GPTModelProvider(MLATransformerConfig):
     fp8_recipe: Literal["tensorwise", "rowwise", "delayed", "mxfp8", "blockwise", "custom"] = "tensorwise"
     """FP8 scaling: tensorwise or rowwise (current scaling; every spec), delayed, mxfp8, blockwise or custom (te spec only)."""
 
+    fp8_output_layer: bool = False
+    """With model.fp8 on the torch or local spec: run the output layer's GEMMs (hidden x vocabulary) in FP8 too."""
+
     qk_layernorm_across_heads: bool = False
     """With qk_layernorm: RMS-normalise each token's whole query and key projections (all heads together, OLMoE), not each head."""
 
@@ -217,9 +220,11 @@ class GPTModelProvider(MLATransformerConfig):
             **kwargs,
         )
         if config is not self:
-            from bridge_cli.models.fp8_linear import keep_layers_in_bf16
+            from bridge_cli.models.fp8_linear import keep_layers_in_bf16, output_layer_in_fp8
 
             keep_layers_in_bf16(model, self)
+            if self.fp8_output_layer and post_process:
+                output_layer_in_fp8(model, self)
         if self.num_moe_experts:
             from bridge_cli.models.moe_dispatch import use_local_token_dispatch
 

@@ -83,8 +83,11 @@ def _report_fp8(chunks: list, model_config, runtime) -> None:
 
     fp8, bf16 = map(sum, zip(*(fp8_linear_count(chunk) for chunk in chunks)))
     if is_last_rank() and fp8 + bf16:  # none on the te spec, whose own FP8 is Transformer Engine's
+        kept = "routers and routed experts"
+        if not model_config.fp8_output_layer:
+            kept = f"the output layer, {kept}"
         print(f"FP8 GEMMs ({model_config.fp8_recipe} scaling, {model_config.fp8}): {fp8} linear layers in fp8, {bf16} "
-              f"in bf16; the output layer, routers and routed experts in bf16 (rank {runtime.rank})", flush=True)
+              f"in bf16; {kept} in bf16 (rank {runtime.rank})", flush=True)
 
 
 def adapter_policy(cfg: ConfigContainer):

@@ -28,11 +28,15 @@ def bf16_curve() -> list[float]:
 
 
 @pytest.mark.skipif(not fp8_gpu(), reason="needs an sm89+ GPU")
-@pytest.mark.parametrize("preset", PRESETS)
-def test_fp8_preset_trains_as_bf16_does(preset, bf16_curve):
-    result = bridge("pretrain", *SMALL, "train.train_iters=30", f"mixed_precision={preset}")
+@pytest.mark.parametrize("preset, output_layer", [(p, False) for p in PRESETS] + [(p, True) for p in PRESETS])
+def test_fp8_preset_trains_as_bf16_does(preset, output_layer, bf16_curve):
+    result = bridge("pretrain", *SMALL, "train.train_iters=30", f"mixed_precision={preset}",
+                    f"model.fp8_output_layer={str(output_layer).lower()}")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "FP8 GEMMs" in result.stdout and "linear layers in fp8" in result.stdout
+    # 4 linears in each fp8 layer (the tensor-wise preset keeps the first and last in bf16), and the output layer
+    fp8_layers = 2 if preset == PRESETS[0] else 4
+    assert f": {4 * fp8_layers + output_layer} linear layers in fp8" in result.stdout, result.stdout[:3000]
     curve = losses(result.stdout)
     assert len(curve) == 30 and all(math.isfinite(x) for x in curve) and curve[-1] < curve[0]
     assert curve[-1] == pytest.approx(bf16_curve[-1], rel=0.03)

@@ -131,6 +131,23 @@ def test_a_gpt_model_runs_its_layer_linears_in_fp8_with_the_bf16_checkpoint_keys
     assert layer.self_attention.linear_qkv.weight.grad is not None
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_output_layer_runs_in_fp8_when_asked_with_the_bf16_checkpoint_keys(one_process, tied):
+    fields = dict(fp8_output_layer=True, share_embeddings_and_output_weights=tied)
+    fp8, bf16 = build("hybrid", **fields), build(None, share_embeddings_and_output_weights=tied)
+    assert isinstance(fp8.output_layer, Fp8ColumnParallelLinear) and fp8.output_layer.fp8 == TENSORWISE
+    assert fp8_linear_count(fp8) == (17, 0)  # 4 linears in each of 4 layers, and the output layer
+    assert fp8_linear_count(build("hybrid")) == (16, 0)  # without the option the output layer is bf16
+    assert fp8.state_dict().keys() == bf16.state_dict().keys()
+    fp8.load_state_dict(bf16.state_dict())
+    tokens = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
+    positions = torch.arange(32).expand(2, 32)
+    logits = fp8(tokens, positions, None)
+    logits.float().square().mean().backward()
+    assert relative(logits, bf16(tokens, positions, None)) < 0.05
+    assert fp8.shared_embedding_or_output_weight().grad is not None
+
+
 def test_a_linear_whose_partition_is_not_a_multiple_of_16_stays_bf16(one_process):
     model = build("e4m3", fp8_recipe="rowwise", ffn_hidden_size=120)
     fc1, fc2 = model.decoder.layers[0].mlp.linear_fc1, model.decoder.layers[0].mlp.linear_fc2
@@ -148,6 +165,12 @@ REFUSED = [
     (["mixed_precision=bf16_mixed", "model.fp4=e2m1"], ["model.fp4", "is a Transformer Engine setting"]),
     ([TENSORWISE_PRESET, "model.fp8_amax_history_len=16"], ["model.fp8_amax_history_len", "Transformer Engine setting"]),
     (["ddp.fp8_param_gather=true"], ["ddp.fp8_param_gather", "is a Transformer Engine setting"]),
+    (["mixed_precision=bf16_mixed", "model.fp8_output_layer=true"],
+     ["model.fp8_output_layer", "model.fp8 is not set", "bf16_with_fp8_current_scaling_mixed"]),
+    ([TENSORWISE_PRESET, "model.fp8_output_layer=true", "model.fused_linear_cross_entropy=true"],
+     ["model.fp8_output_layer", "model.fused_linear_cross_entropy", "Set one of them to false"]),
+    ([TENSORWISE_PRESET, "model.fp8_output_layer=true", "model.spec=te"],
+     ["model.fp8_output_layer", "te spec", "model.spec=torch"]),
 ]
 
 
