@@ -112,6 +112,18 @@ def build(fp8: str | None, **fields):
     return config.provide()
 
 
+def assert_loads_and_runs_like(fp8, bf16) -> None:
+    """``fp8`` has ``bf16``'s checkpoint keys, loads its weights, and then gives its logits within FP8's error
+    and gradients."""
+    assert fp8.state_dict().keys() == bf16.state_dict().keys()
+    fp8.load_state_dict(bf16.state_dict())
+    tokens = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
+    positions = torch.arange(32).expand(2, 32)
+    logits = fp8(tokens, positions, None)
+    logits.float().square().mean().backward()
+    assert relative(logits, bf16(tokens, positions, None)) < 0.05
+
+
 def test_a_gpt_model_runs_its_layer_linears_in_fp8_with_the_bf16_checkpoint_keys(one_process):
     fp8 = build("hybrid", first_last_layers_bf16=True)
     bf16 = build(None)
@@ -121,13 +133,7 @@ def test_a_gpt_model_runs_its_layer_linears_in_fp8_with_the_bf16_checkpoint_keys
     assert fp8.config.fp8 is None  # megatron-core's own (Transformer Engine) fp8 paths stay off
     assert fp8_linear_count(fp8) == (8, 8)  # 4 linears a layer: layers 2, 3 in fp8, the first and last in bf16
     assert fp8.decoder.layers[0].mlp.linear_fc1.fp8 is None and layer.mlp.linear_fc1.fp8 == TENSORWISE
-    assert fp8.state_dict().keys() == bf16.state_dict().keys()
-    fp8.load_state_dict(bf16.state_dict())
-    tokens = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
-    positions = torch.arange(32).expand(2, 32)
-    logits = fp8(tokens, positions, None)
-    logits.float().square().mean().backward()
-    assert relative(logits, bf16(tokens, positions, None)) < 0.05
+    assert_loads_and_runs_like(fp8, bf16)
     assert layer.self_attention.linear_qkv.weight.grad is not None
 
 
@@ -138,13 +144,7 @@ def test_the_output_layer_runs_in_fp8_when_asked_with_the_bf16_checkpoint_keys(o
     assert isinstance(fp8.output_layer, Fp8ColumnParallelLinear) and fp8.output_layer.fp8 == TENSORWISE
     assert fp8_linear_count(fp8) == (17, 0)  # 4 linears in each of 4 layers, and the output layer
     assert fp8_linear_count(build("hybrid")) == (16, 0)  # without the option the output layer is bf16
-    assert fp8.state_dict().keys() == bf16.state_dict().keys()
-    fp8.load_state_dict(bf16.state_dict())
-    tokens = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
-    positions = torch.arange(32).expand(2, 32)
-    logits = fp8(tokens, positions, None)
-    logits.float().square().mean().backward()
-    assert relative(logits, bf16(tokens, positions, None)) < 0.05
+    assert_loads_and_runs_like(fp8, bf16)
     assert fp8.shared_embedding_or_output_weight().grad is not None
 
 
