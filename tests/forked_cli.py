@@ -12,8 +12,8 @@ each unless the caller set OMP_NUM_THREADS, and, as torchrun does, the others ar
 as one fails.
 
 Only a run whose environment differs from the server's in variables read while bridge runs (never
-at import) can be a fork; `ForkedCli.runs` starts any other as a fresh process, and so does every
-run when BRIDGE_TEST_FRESH_PROCESSES=1 is set. The server reads one JSON request per line on stdin
+at import) can be a fork (`ForkedCli.can_fork`); the caller starts any other as a fresh process,
+and so every run where a GPU is visible or BRIDGE_TEST_FRESH_PROCESSES=1 is set. The server reads one JSON request per line on stdin
 and writes one JSON reply per line.
 """
 
