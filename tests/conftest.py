@@ -57,11 +57,7 @@ def run(*args: str, timeout: int = 600, env: dict | None = None, cwd: Path | Non
 
 def bridge(*args: str, timeout: int = 600, env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
     """`python -m bridge_cli ARGS`, as a fork of a process that has imported it (tests/forked_cli.py)."""
-    command = [sys.executable, "-m", "bridge_cli", *args]
-    envs = [_full_env(env)]
-    if not _FORKED.can_fork(envs):
-        return run(*command, timeout=timeout, env=env, cwd=cwd)
-    return _FORKED.runs(command, envs, timeout, cwd or REPO)
+    return _launch([sys.executable, "-m", "bridge_cli", *args], [_full_env(env)], timeout, env, cwd)
 
 
 def torchrun(nproc: int, *args: str, timeout: int = 600, env: dict | None = None,
@@ -76,6 +72,13 @@ def torchrun(nproc: int, *args: str, timeout: int = 600, env: dict | None = None
                "-m", "bridge_cli", *args]
     base = {"OMP_NUM_THREADS": "1", **_full_env(env)}  # torchrun's default for more than one process a node
     envs = [{**base, **_torchrun_rank(rank, nproc, port)} for rank in range(nproc)]
+    return _launch(command, envs, timeout, env, cwd)
+
+
+def _launch(command: list[str], envs: list[dict[str, str]], timeout: int, env: dict | None,
+            cwd: Path | None) -> subprocess.CompletedProcess:
+    """``command`` as forks of the per-worker server, one per environment in ``envs``, or where that
+    cannot be (see ForkedCli.can_fork), as the fresh process ``command`` with ``env``."""
     if not _FORKED.can_fork(envs):
         return run(*command, timeout=timeout, env=env, cwd=cwd)
     return _FORKED.runs(command, envs, timeout, cwd or REPO)

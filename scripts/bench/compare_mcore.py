@@ -123,6 +123,8 @@ def main() -> None:
     parser.add_argument("--titan-variant", action="append", default=[], metavar="NAME:FLAGS",
                         help="also run torchtitan at 4 x 2 compiled with these trainer flags (needs --titan)")
     args = parser.parse_args()
+    if args.titan_variant and not args.titan:
+        parser.error("--titan-variant needs --titan RUN_TITAN_PY")
     runs = {"bare mcore": lambda: bare(args.baseline, args.steps, args.warmup)}
     if args.titan:
         runs["titan 4x2 comp"] = lambda: titan(args.titan, args.steps, args.warmup)
