@@ -55,33 +55,39 @@ def run(*args: str, timeout: int = 600, env: dict | None = None, cwd: Path | Non
                           cwd=cwd or REPO)
 
 
-def bridge(*args: str, timeout: int = 600, env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    """`python -m bridge_cli ARGS`, as a fork of a process that has imported it (tests/forked_cli.py)."""
-    return _launch([sys.executable, "-m", "bridge_cli", *args], [_full_env(env)], timeout, env, cwd)
-
-
-def torchrun(nproc: int, *args: str, timeout: int = 600, env: dict | None = None,
-             cwd: Path | None = None) -> subprocess.CompletedProcess:
-    """`torchrun --nproc-per-node N -m bridge_cli ARGS`: N forks, each with the variables torchrun gives its rank.
+def python(*argv: str, nproc: int = 0, timeout: int = 600, env: dict | None = None,
+           cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """`python ARGV` (a script and its arguments, or -m MODULE and its), or with ``nproc``
+    `torchrun --nproc-per-node NPROC ARGV`, as forks of a per-worker process that has imported torch,
+    megatron-core and bridge (tests/forked_cli.py): one fork, or one per rank with the variables
+    torchrun gives it. Where a fork cannot stand for the process (see ForkedCli.can_fork), the fresh
+    process runs instead.
 
     Real torchrun launches are covered by tests/integration/test_multinode_cpu.py, the README's
     commands and the Slurm templates.
     """
-    port = str(_free_port())
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", port,
-               "-m", "bridge_cli", *args]
-    base = {"OMP_NUM_THREADS": "1", **_full_env(env)}  # torchrun's default for more than one process a node
-    envs = [{**base, **_torchrun_rank(rank, nproc, port)} for rank in range(nproc)]
-    return _launch(command, envs, timeout, env, cwd)
-
-
-def _launch(command: list[str], envs: list[dict[str, str]], timeout: int, env: dict | None,
-            cwd: Path | None) -> subprocess.CompletedProcess:
-    """``command`` as forks of the per-worker server, one per environment in ``envs``, or where that
-    cannot be (see ForkedCli.can_fork), as the fresh process ``command`` with ``env``."""
+    if nproc:
+        port = str(_free_port())
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
+                   port, *argv]
+        base = {"OMP_NUM_THREADS": "1", **_full_env(env)}  # torchrun's default for more than one process a node
+        envs = [{**base, **_torchrun_rank(rank, nproc, port)} for rank in range(nproc)]
+    else:
+        command, envs = [sys.executable, *argv], [_full_env(env)]
     if not _FORKED.can_fork(envs):
         return run(*command, timeout=timeout, env=env, cwd=cwd)
-    return _FORKED.runs(command, envs, timeout, cwd or REPO)
+    return _FORKED.runs(command, list(argv), envs, timeout, cwd or REPO)
+
+
+def bridge(*args: str, timeout: int = 600, env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """`python -m bridge_cli ARGS` (see python())."""
+    return python("-m", "bridge_cli", *args, timeout=timeout, env=env, cwd=cwd)
+
+
+def torchrun(nproc: int, *args: str, timeout: int = 600, env: dict | None = None,
+             cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """`torchrun --nproc-per-node NPROC -m bridge_cli ARGS` (see python())."""
+    return python("-m", "bridge_cli", *args, nproc=nproc, timeout=timeout, env=env, cwd=cwd)
 
 
 def _torchrun_rank(rank: int, nproc: int, port: str) -> dict[str, str]:

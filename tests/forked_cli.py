@@ -1,20 +1,21 @@
-"""A process that imports torch, megatron-core and bridge_cli once, then forks one child per `bridge` run.
+"""A process that imports torch, megatron-core and bridge_cli once, then forks one child per Python run.
 
 A `bridge` process spends about 4 of its first 4.5 s on the CPU machine importing torch and
-megatron-core; the suite starts a few hundred of them. Here each run is a fork of an interpreter
-that has done those imports and nothing else (no tensor op, no thread pool, no process group), so
-the child starts where a fresh `python -m bridge_cli` would be after its imports: it gets the
-run's argv, environment, working directory, /dev/null as stdin and its own output files, runs
-`bridge_cli`'s `__main__`, and exits through the interpreter's exit steps (threads joined, atexit
-handlers run, streams flushed) with the exit code Python would give. Several children started by
-one request form a torchrun-style world: torchrun's environment variables per rank, one thread
-each unless the caller set OMP_NUM_THREADS, and, as torchrun does, the others are stopped as soon
-as one fails.
+megatron-core; the suite starts a few hundred of them, and of its own worker scripts. Here each run
+is a fork of an interpreter that has done those imports, and composed one recipe (Hydra's plugin
+scan), and nothing else (no tensor op, no thread pool, no process group), so the child starts where
+a fresh `python ARGV` would be after its imports: it gets the run's argv (`-m MODULE ...` or
+`SCRIPT ...`), environment (PYTHONPATH's entries put on sys.path as the interpreter would),
+working directory, /dev/null as stdin and its own output files, runs the module or script as
+`__main__`, and exits through the interpreter's exit steps (threads joined, atexit handlers run,
+streams flushed) with the exit code Python would give. Several children started by one request
+form a torchrun-style world: torchrun's environment variables per rank, one thread each unless the
+caller set OMP_NUM_THREADS, and, as torchrun does, the others are stopped as soon as one fails.
 
-Only a run whose environment differs from the server's in variables read while bridge runs (never
-at import) can be a fork (`ForkedCli.can_fork`); the caller starts any other as a fresh process,
-and so every run where a GPU is visible or BRIDGE_TEST_FRESH_PROCESSES=1 is set. The server reads one JSON request per line on stdin
-and writes one JSON reply per line.
+Only a run whose environment differs from the server's in variables read while it runs (never at
+import) can be a fork (`ForkedCli.can_fork`); the caller starts any other as a fresh process, and
+so every run where a GPU is visible or BRIDGE_TEST_FRESH_PROCESSES=1 is set. The server reads one
+JSON request per line on stdin and writes one JSON reply per line.
 """
 
 from __future__ import annotations
@@ -33,11 +34,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 # What bridge and the libraries it imports at run time (not at import) read from the environment,
-# and pytest's name of the test being run, which nothing reads.
+# PYTHONPATH (which the child applies itself), and pytest's name of the test being run, which nothing
+# reads. CUDA_VISIBLE_DEVICES is read when CUDA starts, which never happens in the server (no run
+# forks where a GPU is visible).
 RUN_TIME_VARIABLES = re.compile(
     r"(BRIDGE_|MLFLOW_|COMET_|WANDB_|SLURM_|TORCHELASTIC_).*|RANK|LOCAL_RANK|GROUP_RANK|ROLE_RANK|ROLE_NAME|"
     r"WORLD_SIZE|LOCAL_WORLD_SIZE|GROUP_WORLD_SIZE|ROLE_WORLD_SIZE|MASTER_ADDR|MASTER_PORT|OMP_NUM_THREADS|"
-    r"PYTEST_CURRENT_TEST")
+    r"CUDA_VISIBLE_DEVICES|PYTHONPATH|PYTEST_CURRENT_TEST")
 
 
 class ForkedCli:
@@ -47,9 +50,10 @@ class ForkedCli:
         self._server: subprocess.Popen | None = None
         self._env: dict[str, str] = {}
 
-    def runs(self, command: list[str], envs: list[dict[str, str]], timeout: float, cwd: Path) -> subprocess.CompletedProcess:
-        """Run ``command`` once per environment in ``envs`` (one for `bridge`, one per rank for torchrun)."""
-        argv = command[command.index("bridge_cli") + 1:]
+    def runs(self, command: list[str], argv: list[str], envs: list[dict[str, str]], timeout: float,
+             cwd: Path) -> subprocess.CompletedProcess:
+        """Run `python ARGV` once per environment in ``envs`` (one per rank for torchrun); ``command`` is
+        what a fresh process would have run, for the result."""
         with tempfile.TemporaryDirectory(prefix="forked-cli-") as tmp:
             out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
             request = {"procs": [{"argv": argv, "env": env} for env in envs], "cwd": str(cwd),
@@ -110,14 +114,22 @@ def main() -> None:
     from bridge_cli.runtime.mcore_import import import_megatron_core
 
     import_megatron_core()  # as a training run imports it: fused kernels bound to torch.compile
-    # what training and conversion runs import on their way (Hydra, checkpoints, models, the HF importer)
-    import bridge_cli.checkpoint.save  # noqa: F401 - the point of this process
+    # what training and conversion runs import on their way (Hydra, checkpoints, models, data, the HF importer)
+    import megatron.core.datasets.blended_megatron_dataset_builder  # noqa: F401 - the point of this process
+    import megatron.core.dist_checkpointing.strategies.filesystem_async  # noqa: F401
+
+    import bridge_cli.checkpoint.load  # noqa: F401
+    import bridge_cli.checkpoint.save  # noqa: F401
     import bridge_cli.cli.app  # noqa: F401
-    import bridge_cli.config.compose  # noqa: F401
     import bridge_cli.convert.hf_import  # noqa: F401
+    import bridge_cli.data.builders  # noqa: F401
+    import bridge_cli.logging.reports  # noqa: F401
     import bridge_cli.models.gpt_model  # noqa: F401
     import bridge_cli.runtime.distributed  # noqa: F401
     import bridge_cli.training.pretrain  # noqa: F401
+    from bridge_cli.config.compose import compose
+
+    compose("tiny", [])  # Hydra's first compose imports its plugins and scans for more: once, here
 
     print("ready", file=reply, flush=True)
     for line in sys.stdin:
@@ -192,7 +204,7 @@ def fork(proc: dict, request: dict) -> int:
 
 
 def run_child(proc: dict, request: dict) -> int:
-    """What `python -m bridge_cli ARGV` does after its imports, in this forked process."""
+    """What `python ARGV` does after its imports, in this forked process."""
     import atexit
     import runpy
     import threading
@@ -204,6 +216,7 @@ def run_child(proc: dict, request: dict) -> int:
     os.dup2(os.open(request["stdout"], flags, 0o644), 1)
     os.dup2(os.open(request["stderr"], flags, 0o644), 2)
     os.chdir(request["cwd"])
+    server_path = os.environ.get("PYTHONPATH", "")
     os.environ.clear()
     os.environ.update(proc["env"])
     if "OMP_NUM_THREADS" in proc["env"]:
@@ -211,11 +224,19 @@ def run_child(proc: dict, request: dict) -> int:
         import torch
 
         torch.set_num_threads(int(proc["env"]["OMP_NUM_THREADS"]))
-    sys.path[0] = os.getcwd()  # as `python -m` puts the working directory first
-    sys.argv = ["-m", *proc["argv"]]
+    argv = proc["argv"]
+    # as the interpreter starts: the working directory (-m) or the script's folder first, then PYTHONPATH
+    sys.path[0] = os.getcwd() if argv[0] == "-m" else os.path.dirname(os.path.abspath(argv[0]))
+    if os.environ.get("PYTHONPATH", "") != server_path:
+        sys.path[1:1] = [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     code = 0
     try:
-        runpy.run_module("bridge_cli", run_name="__main__", alter_sys=True)
+        if argv[0] == "-m":
+            sys.argv = ["-m", *argv[2:]]
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = list(argv)
+            runpy.run_path(argv[0], run_name="__main__")
     except SystemExit as exit_:
         code = _exit_code(exit_.code)
     except BaseException:  # noqa: BLE001 - what the interpreter does with an uncaught exception

@@ -6,19 +6,18 @@ Each check runs attention_worker.py in a process of its own (megatron-core's pro
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import bridge, run
+from tests.conftest import bridge, python
 
 WORKER = Path(__file__).with_name("attention_worker.py")
 
 
 def worker(*args: str) -> dict:
-    result = run(sys.executable, str(WORKER), *args, env={"OMP_NUM_THREADS": "1"})
+    result = python(str(WORKER), *args, env={"OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-4000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 

@@ -1,29 +1,20 @@
 """A checkpoint that cannot be used stops `bridge pretrain` with its path and the mismatch named, exit 2; --resume auto|never.
 
-The cases run as concurrent processes (each fails during setup, so they are short).
+Each case is a `bridge` run (a fork, see tests/conftest.py python()); each fails during setup, so they are short.
 """
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, bridge
+from tests.conftest import bridge
 
 pytestmark = pytest.mark.slow
 
 TINY = ["recipe=tiny", "train.eval_iters=0"]
-
-
-def start(*args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "bridge_cli", "pretrain", *TINY, *args], cwd=REPO, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
 @pytest.fixture(scope="module")
@@ -87,9 +78,9 @@ def test_unusable_checkpoints_fail_clearly(saved, tmp_path):
         "async_save on the CPU": ([f"checkpoint.save={empty}", "checkpoint.async_save=true"],
                                   ["checkpoint.async_save=true needs CUDA", "checkpoint.async_save=false"]),
     }
-    procs = {name: start(*args) for name, (args, _) in cases.items()}
-    for name, proc in procs.items():
-        out, err = proc.communicate(timeout=300)
+    for name, (args, _) in cases.items():
+        proc = bridge("pretrain", *TINY, *args, timeout=300)
+        out, err = proc.stdout, proc.stderr
         assert proc.returncode == 2, f"{name}: exit {proc.returncode}\n{out[-1500:]}\n{err[-3000:]}"
         assert "Traceback" not in err, f"{name}: {err[-3000:]}"
         for fragment in cases[name][1]:
@@ -98,11 +89,12 @@ def test_unusable_checkpoints_fail_clearly(saved, tmp_path):
 
 def test_resume_auto_and_never(saved, tmp_path):
     auto_root, never_root = copy(saved, tmp_path, "auto"), copy(saved, tmp_path, "never")
-    auto = start(f"checkpoint.save={auto_root}", "train.train_iters=6", "logger.log_interval=1")
-    never = start(f"checkpoint.save={never_root}", "train.train_iters=2", "logger.log_interval=1", "--resume", "never")
-    out, err = auto.communicate(timeout=300)
-    assert auto.returncode == 0, err[-3000:]
+    auto = bridge("pretrain", *TINY, f"checkpoint.save={auto_root}", "train.train_iters=6", "logger.log_interval=1",
+                  timeout=300)
+    assert auto.returncode == 0, auto.stderr[-3000:]
+    out = auto.stdout
     assert f"loaded checkpoint {auto_root}/iter_0000004" in out and "iteration 5/6" in out and "iteration 4/6" not in out
-    out, err = never.communicate(timeout=300)
-    assert never.returncode == 0, err[-3000:]
-    assert "loaded checkpoint" not in out and "iteration 1/2" in out
+    never = bridge("pretrain", *TINY, f"checkpoint.save={never_root}", "train.train_iters=2", "logger.log_interval=1",
+                   "--resume", "never", timeout=300)
+    assert never.returncode == 0, never.stderr[-3000:]
+    assert "loaded checkpoint" not in never.stdout and "iteration 1/2" in never.stdout

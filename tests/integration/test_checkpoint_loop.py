@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run
+from tests.conftest import python
 
 pytestmark = pytest.mark.slow
 
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict[str, dict]:
     root = tmp_path_factory.mktemp("loop")
-    result = run(sys.executable, "-m", "tests.integration.test_checkpoint_loop", str(root))
+    result = python("-m", "tests.integration.test_checkpoint_loop", str(root))
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     found = {}
     for line in result.stdout.splitlines():

@@ -16,14 +16,13 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
 
-from tests.conftest import REPO, bridge, torchrun
+from tests.conftest import REPO, bridge, python, torchrun
 from tests.integration.test_pretrain_cpu import losses
 
 transformers = pytest.importorskip("transformers")
@@ -176,12 +175,10 @@ def mcore_logits(work, imported, trained) -> dict[tuple[str, int], torch.Tensor]
     out = work / "logits"
     out.mkdir()
     checkpoints = [f"{name}={folder}" for name, folder in {**imported, "trained": trained}.items()]
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1",
+    env = {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    ok(subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                       str(WORKER), "--ckpt", *checkpoints, "--tokens", str(work / "tokens.pt"), "--out", str(out),
-                       "--tp", "1", "2", "--ep", "2", "--resave"], env=env, capture_output=True, text=True,
-                      timeout=900, cwd=REPO))
+    ok(python(str(WORKER), "--ckpt", *checkpoints, "--tokens", str(work / "tokens.pt"), "--out", str(out),
+              "--tp", "1", "2", "--ep", "2", "--resave", nproc=2, env=env, timeout=900))
     return {tuple(file.stem.rsplit("_", 1)): torch.load(file) for file in out.glob("*.pt")}
 
 

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import re
-import sys
 
 import pytest
 
-from tests.conftest import bridge, run, torchrun
+from tests.conftest import bridge, python, torchrun
 from tests.integration.sft_setup import pretrained_base, write_sft_data
 
 pytestmark = pytest.mark.slow
@@ -104,7 +103,7 @@ def test_lora_base_stays_bitwise_frozen_and_merged_logits_match(base, data, lora
     assert f"wrote the merged model to {merged}/iter_0000008" in result.stdout
     again = bridge("peft", "merge", str(save), str(merged), "recipe=tiny_sft")
     assert again.returncode == 2 and "already holds a checkpoint" in again.stderr
-    worker = run(sys.executable, "tests/integration/lora_worker.py", str(base), str(data), str(save), str(merged))
+    worker = python("tests/integration/lora_worker.py", str(base), str(data), str(save), str(merged))
     assert worker.returncode == 0, worker.stderr[-3000:]
     assert "FROZEN base_unchanged=True adapters_moved=16/16 other_trainable=[]" in worker.stdout, worker.stdout
     diff, effect = (float(x) for x in re.search(r"LOGITS max_diff=(\S+) adapter_effect=(\S+)", worker.stdout).groups())

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import re
-import sys
 
 import pytest
 
-from tests.conftest import bridge, run, torchrun
+from tests.conftest import bridge, python, torchrun
 
 LOSS = re.compile(r"^iteration\s+(\d+)/\d+ .*\| lm loss ([0-9.]+) ", re.M)
 SHORT = ["recipe=tiny", "train.train_iters=12", "logger.log_interval=1", "train.eval_iters=0"]
@@ -65,7 +64,7 @@ def test_interleaved_pipeline_on_cpu_trains():
 
 @pytest.mark.slow
 def test_every_forward_step_signature_and_loss_pattern(single_process_curve):
-    result = run(sys.executable, "tests/integration/pretrain_variants.py")
+    result = python("tests/integration/pretrain_variants.py")
     assert result.returncode == 0, result.stderr[-3000:]
     runs = dict(re.findall(r"^VARIANT (\w+)\n(.*?)(?=^VARIANT |\Z)", result.stdout, re.M | re.S))
     assert len(runs) == 7
@@ -77,7 +76,7 @@ def test_every_forward_step_signature_and_loss_pattern(single_process_curve):
 
 @pytest.mark.slow
 def test_inference_pattern_collects_non_loss_data():
-    result = run(sys.executable, "tests/integration/pretrain_variants.py", "inference")
+    result = python("tests/integration/pretrain_variants.py", "inference")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "COLLECTED 2 (4, 128)" in result.stdout  # 2 micro-batches of 4 sequences x 128 tokens
 

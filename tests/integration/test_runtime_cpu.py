@@ -1,6 +1,6 @@
 """The CPU runtime trains megatron-core's GPTModel, and parallelism does not change the numbers.
 
-Each case runs ``runtime_worker.py`` in real processes (torchrun for two ranks, gloo, no GPU)
+Each case runs ``runtime_worker.py`` (torchrun-style for two ranks, gloo, no GPU; see tests/conftest.py python())
 and compares its loss curve with a single process trained on the same tokens.
 """
 
@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.conftest import python
 
 pytestmark = pytest.mark.slow
 
@@ -25,23 +25,10 @@ RTOL = 1e-4
 def train(out: Path, *args: str, nproc: int = 1) -> dict:
     """Run the worker (under torchrun when ``nproc > 1``) and return its loss/grad-norm curve."""
     out.mkdir(parents=True)
-    launcher = [sys.executable]
-    if nproc > 1:
-        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    env = {
-        **os.environ,
-        "CUDA_VISIBLE_DEVICES": "",
-        # One thread per process, as torchrun sets: oversubscribed cores slow a run several-fold.
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-    }
-    result = subprocess.run(
-        [*launcher, str(WORKER), "--out", str(out), *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    # One thread per process, as torchrun sets: oversubscribed cores slow a run several-fold.
+    env = {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    result = python(str(WORKER), "--out", str(out), *args, nproc=nproc if nproc > 1 else 0, env=env, timeout=300)
     assert result.returncode == 0, f"worker failed:\n{(result.stdout + result.stderr)[-4000:]}"
     return json.loads((out / "curve.json").read_text())
 

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import REPO, bridge, run, torchrun
+from tests.conftest import REPO, bridge, python, torchrun
 from tests.integration.test_pretrain_cpu import losses
 
 transformers = pytest.importorskip("transformers")
@@ -45,6 +44,14 @@ def ok(result):
 
 
 @pytest.fixture(scope="module")
+def imported(hf_dir, tmp_path_factory) -> Path:
+    """The folder's `bridge convert-ckpt import-hf` conversion (a checkpoint and its recipe.yaml)."""
+    folder = tmp_path_factory.mktemp("imported") / "llama"
+    ok(bridge("convert-ckpt", "import-hf", str(hf_dir), str(folder)))
+    return folder
+
+
+@pytest.fixture(scope="module")
 def tp2_run(hf_dir, tmp_path_factory) -> tuple[list[float], Path, Path]:
     """`bridge finetune` from the folder at TP=2 (two processes), saving and exporting at the end:
     (its losses, checkpoint.save, checkpoint.export_hf_dir)."""
@@ -58,9 +65,7 @@ def tp2_run(hf_dir, tmp_path_factory) -> tuple[list[float], Path, Path]:
 
 
 @pytest.mark.slow
-def test_training_from_a_hugging_face_folder_equals_training_from_its_import(hf_dir, tmp_path, tp2_run):
-    imported = tmp_path / "imported"
-    ok(bridge("convert-ckpt", "import-hf", str(hf_dir), str(imported)))
+def test_training_from_a_hugging_face_folder_equals_training_from_its_import(hf_dir, imported, tp2_run):
     reference = losses(ok(bridge("pretrain", f"recipe={imported / 'recipe.yaml'}", *RUN)).stdout)
     direct = ok(bridge("pretrain", "recipe=tiny", f"checkpoint.pretrained_checkpoint={hf_dir}", *RUN))
     assert "(checkpoint.pretrained_checkpoint; iteration 0): weights only" in direct.stdout
@@ -71,9 +76,7 @@ def test_training_from_a_hugging_face_folder_equals_training_from_its_import(hf_
 
 
 @pytest.mark.slow
-def test_eval_scores_a_hugging_face_folder_as_its_import(hf_dir, tmp_path):
-    imported = tmp_path / "imported"
-    ok(bridge("convert-ckpt", "import-hf", str(hf_dir), str(imported)))
+def test_eval_scores_a_hugging_face_folder_as_its_import(hf_dir, imported, tmp_path):
     scores = []
     for args in ([f"recipe={imported / 'recipe.yaml'}", f"checkpoint.load={imported}"],
                  ["recipe=tiny", f"checkpoint.load={hf_dir}"],
@@ -89,7 +92,7 @@ def test_export_at_the_end_of_training_reproduces_the_trained_model(hf_dir, tmp_
     _, save, export = tp2_run
     tokens = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(1))
     torch.save(tokens, tmp_path / "tokens.pt")
-    ok(run(sys.executable, str(WORKER), "--ckpt", f"trained={save}", "--tokens", str(tmp_path / "tokens.pt"),
+    ok(python(str(WORKER), "--ckpt", f"trained={save}", "--tokens", str(tmp_path / "tokens.pt"),
            "--out", str(tmp_path), env={"PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}))
     with torch.no_grad():
         exported = transformers.AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).eval()(tokens).logits

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import python
 
 pytestmark = pytest.mark.slow
 
@@ -17,13 +17,9 @@ WORKER = Path(__file__).with_name("train_utils_worker.py")
 
 
 def run_worker(check: str, out: Path, nproc: int = 1) -> dict:
-    launcher = [sys.executable]
-    if nproc > 1:
-        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1",
+    env = {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    result = subprocess.run([*launcher, str(WORKER), check, "--out", str(out)], env=env, capture_output=True,
-                            text=True, timeout=600, cwd=REPO)
+    result = python(str(WORKER), check, "--out", str(out), nproc=nproc if nproc > 1 else 0, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(out.read_text())
 
