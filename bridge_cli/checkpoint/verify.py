@@ -66,7 +66,8 @@ def saved_config(path: Path) -> Optional[dict[str, Any]]:
         return None
     import yaml
 
-    return yaml.safe_load(file.read_text())
+    # libyaml's parser where PyYAML has it: the pure-Python one takes 90 ms for a run's 900-line config
+    return yaml.load(file.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
 
 
 def check_model_matches(path: Path, model_template: dict, checkpoint_tensors: dict, model_cfg,

@@ -8,6 +8,7 @@ checkpoint saved under any layout loads into it.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
@@ -84,12 +85,22 @@ def saved_model_values(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path} has no {RUN_CONFIG} with a model section; the model's shape is read from "
                               "it. Convert a checkpoint that `bridge pretrain` saved.")
     known = {f.name for f in mcore_schema.schema_fields(GPTModelProvider)}
-    schema = OmegaConf.structured(mcore_schema.schema_dataclass(GPTModelProvider))
     try:
-        merged = OmegaConf.merge(schema, {k: v for k, v in saved["model"].items() if k in known})
+        merged = OmegaConf.merge(_model_schema(), {k: v for k, v in saved["model"].items() if k in known})
     except OmegaConfBaseException as err:
         raise CheckpointError(f"{path / RUN_CONFIG}: model.{err.full_key}: {str(err).splitlines()[0]}") from err
     return OmegaConf.to_container(merged, resolve=True)
+
+
+@functools.cache
+def _model_schema():
+    """The ``model:`` section's structured config (merging copies it; built once: 70 ms)."""
+    from omegaconf import OmegaConf
+
+    from bridge_cli.config import mcore_schema
+    from bridge_cli.models.provider import GPTModelProvider
+
+    return OmegaConf.structured(mcore_schema.schema_dataclass(GPTModelProvider))
 
 
 def save_weights(model, cfg, root: Path) -> Path:

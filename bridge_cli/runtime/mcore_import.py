@@ -4,7 +4,8 @@ megatron-core decorates its fused kernels (bias-GeLU, SwiGLU, the native fused c
 with ``torch.compile`` as it imports them, and ``torch.compile`` imports dynamo, inductor, triton
 and sympy on the spot: 2.7 of the 4.7 s ``import megatron.core`` takes on a 2-core CPU, about 5 of
 14.5 s on the GPU machine. A command that runs no model (``config validate``, ``--dry-run``,
-``preprocess-data``) never needs them, so for it ``torch.compile`` is, while megatron-core binds
+``preprocess-data``, ``convert-ckpt``, and so the conversion a run from a Hugging Face folder starts)
+never needs them, so for it ``torch.compile`` is, while megatron-core binds
 its decorator (``megatron.core.jit.jit_fuser``), one that compiles at the first call. A training
 run keeps the eager import: it starts inductor's compile workers early, and deferring it made the
 first step of a run with the fusions on 1.5 s slower on the CPU.
