@@ -36,6 +36,9 @@ class GPTModelProvider(MLATransformerConfig):
     normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
     """Which norm to use for normalization layers, valid options are `LayerNorm` and `RMSNorm`."""
 
+    gradient_accumulation_fusion: bool = False
+    """Add each weight gradient into the fp32 main_grad inside its GEMM (Apex's kernel, else torch.addmm); CUDA only."""
+
     spec: Optional[str] = None
     """Layer spec: te (Transformer Engine), local (megatron-core's own) or torch (SDPA / FlexAttention); None picks te if importable, else torch."""
 
@@ -191,6 +194,10 @@ class GPTModelProvider(MLATransformerConfig):
 
             define_missing_te_names()
             make_aux_loss_scaler_traceable()
+        if self.gradient_accumulation_fusion:
+            from bridge_cli.models import wgrad_accumulation
+
+            wgrad_accumulation.install()
         kwargs = {"vp_stage": vp_stage} if vp_stage is not None else {}
         spec = self.spec or default_spec_name()
         config = self

@@ -16,6 +16,8 @@ CUDA_ONLY: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("model.bf16=true", lambda c: c.model.bf16, "model.bf16=false"),
     ("model.fp16=true", lambda c: c.model.fp16, "model.fp16=false"),
     ("model.fp8", lambda c: c.model.fp8 is not None, "model.fp8=null"),
+    ("model.gradient_accumulation_fusion=true", lambda c: c.model.gradient_accumulation_fusion,
+     "model.gradient_accumulation_fusion=false"),
     ("optimizer.use_distributed_optimizer=true", lambda c: c.optimizer.use_distributed_optimizer,
      "optimizer.use_distributed_optimizer=false"),
     ("optimizer.optimizer_cpu_offload=true", lambda c: c.optimizer.optimizer_cpu_offload,

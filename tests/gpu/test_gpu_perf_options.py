@@ -1,5 +1,6 @@
-"""Performance options on the GPU path (bf16, distributed optimizer): fused AdamW, each SDPA kernel and
-compiled layers train like the defaults, and a fused AdamW resumes like an uninterrupted run."""
+"""Performance options on the GPU path (bf16, distributed optimizer): fused AdamW, each SDPA kernel, compiled
+layers and the weight-gradient accumulation fusion train like the defaults, and a fused AdamW resumes like an
+uninterrupted run."""
 
 from __future__ import annotations
 
@@ -62,3 +63,30 @@ def test_fused_linear_cross_entropy_trains_like_the_unfused_loss(default_curve):
 def test_fused_linear_cross_entropy_with_compiled_layers(default_curve):
     fused = curve("model.fused_linear_cross_entropy=true", "model.compile_layers=true")
     assert fused == pytest.approx(default_curve, rel=1e-2)
+
+
+def test_gradient_accumulation_fusion_trains_like_the_separate_add(default_curve):
+    """Two micro-batches a step: the second GEMM adds into the first's main_grad; the tied output weight
+    takes megatron-core's zeroed-placeholder path."""
+    assert curve("model.gradient_accumulation_fusion=true") == pytest.approx(default_curve, rel=1e-2)
+
+
+def test_gradient_accumulation_fusion_with_compiled_layers(default_curve):
+    fused = curve("model.gradient_accumulation_fusion=true", "model.compile_layers=true")
+    assert fused == pytest.approx(default_curve, rel=1e-2)
+
+
+@pytest.mark.parametrize("grad_dtype", ["float32", "bfloat16"])
+def test_wgrad_gemm_adds_into_main_grad(grad_dtype):
+    import torch
+
+    from bridge_cli.models.wgrad_accumulation import wgrad_gemm_accum_fp32
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 64, 96, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(2, 64, 48, device="cuda", dtype=torch.bfloat16)
+    main_grad = torch.randn(48, 96, device="cuda", dtype=getattr(torch, grad_dtype))
+    expected = main_grad.double() + dy.reshape(-1, 48).double().t() @ x.reshape(-1, 96).double()
+    wgrad_gemm_accum_fp32(x, dy, main_grad)
+    tolerance = 1e-4 if grad_dtype == "float32" else 1e-1
+    assert torch.allclose(main_grad.double(), expected, atol=tolerance, rtol=1e-2 if grad_dtype != "float32" else 1e-5)

@@ -1,0 +1,43 @@
+"""``model.gradient_accumulation_fusion`` without Apex or Transformer Engine.
+
+megatron-core's parallel linears can add each weight gradient into the parameter's fp32 ``main_grad``
+inside the weight-gradient GEMM, instead of writing a bf16 gradient that the data-parallel wrapper
+then adds in a kernel of its own (once per micro-batch, over every parameter). megatron-core calls
+Apex's ``fused_weight_gradient_mlp_cuda`` extension for it and refuses the option without Apex.
+:func:`install` puts this module in that extension's place: the same two functions, each one cuBLAS
+GEMM with ``main_grad`` as its accumulator (``torch.addmm`` with an fp32 output for bf16 operands,
+torch >= 2.8 on CUDA). megatron-core's own code does the rest (the ``grad_added_to_main_grad`` flag,
+the zeroed placeholder gradient of a weight shared with the embedding).
+
+CUDA only: megatron-core allocates the placeholder gradients on the current CUDA device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def wgrad_gemm_accum_fp32(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
+    """``main_grad += grad_output^T @ total_input`` (both [tokens, features]), accumulated in ``main_grad``'s
+    fp32 by the GEMM."""
+    x, dy = total_input.reshape(-1, total_input.shape[-1]), grad_output.reshape(-1, grad_output.shape[-1])
+    if dy.dtype == main_grad.dtype:
+        main_grad.addmm_(dy.t(), x)
+    else:
+        torch.addmm(main_grad, dy.t(), x, out_dtype=main_grad.dtype, out=main_grad)
+
+
+wgrad_gemm_accum_fp16 = wgrad_gemm_accum_fp32
+"""The same for a bf16 or fp16 ``main_grad`` (``ddp.grad_reduce_in_fp32=false`` without the distributed optimizer)."""
+
+
+def install() -> None:
+    """Stand in for Apex's extension in megatron-core's linear layers, unless Apex provides it. Call
+    before building a model with ``gradient_accumulation_fusion``."""
+    import sys
+
+    from megatron.core.tensor_parallel import layers
+
+    if not layers._grad_accum_fusion_available:
+        layers.fused_weight_gradient_mlp_cuda = sys.modules[__name__]
+        layers._grad_accum_fusion_available = True
