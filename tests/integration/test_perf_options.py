@@ -44,7 +44,6 @@ def test_a_backend_the_cpu_lacks_is_refused_in_one_paragraph():
     assert "model.sdpa_backend=auto" in result.stderr
 
 
-
 def test_compiled_layers_with_the_fused_linear_cross_entropy_match_eager(eager):
     # the chunks' passes between the GEMMs compile (one graph each, reused by every chunk of the same size)
     compiled = bridge("pretrain", *RUN, "model.compile_layers=true", "model.fused_linear_cross_entropy=true",
@@ -52,6 +51,7 @@ def test_compiled_layers_with_the_fused_linear_cross_entropy_match_eager(eager):
     assert compiled.returncode == 0, compiled.stderr[-3000:]
     assert losses(compiled.stdout) == pytest.approx(losses(eager.stdout), rel=1e-3)
     assert "Graph break" not in compiled.stderr and "Recompiling" not in compiled.stderr, compiled.stderr[-3000:]
+
 
 def test_compiled_layers_with_full_activation_recompute_match_eager(eager):
     compiled = bridge("pretrain", *RUN, "model.compile_layers=true", "model.recompute_granularity=full",
