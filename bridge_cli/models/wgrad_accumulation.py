@@ -38,6 +38,18 @@ def install() -> None:
 
     from megatron.core.tensor_parallel import layers
 
-    if not layers._grad_accum_fusion_available:
-        layers.fused_weight_gradient_mlp_cuda = sys.modules[__name__]
-        layers._grad_accum_fusion_available = True
+    if layers._grad_accum_fusion_available:
+        return
+    if not addmm_has_fp32_output():
+        from bridge_cli.config.errors import ConfigError
+
+        raise ConfigError("model.gradient_accumulation_fusion",
+                          f"needs Apex or torch >= 2.8 (torch.addmm with out_dtype); this is torch {torch.__version__}.",
+                          "Set model.gradient_accumulation_fusion=false.")
+    layers.fused_weight_gradient_mlp_cuda = sys.modules[__name__]
+    layers._grad_accum_fusion_available = True
+
+
+def addmm_has_fp32_output() -> bool:
+    """Whether this torch has ``torch.addmm(..., out_dtype=...)`` (2.8 and newer)."""
+    return "dtype_out" in torch.ops.aten.addmm.overloads()
