@@ -14,7 +14,11 @@ CUDA only: megatron-core allocates the placeholder gradients on the current CUDA
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
+
+from bridge_cli.config.errors import ConfigError
 
 
 def wgrad_gemm_accum_fp32(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
@@ -31,6 +35,15 @@ wgrad_gemm_accum_fp16 = wgrad_gemm_accum_fp32
 """The same for a bf16 or fp16 ``main_grad`` (``ddp.grad_reduce_in_fp32=false`` without the distributed optimizer)."""
 
 
+def check(model) -> None:
+    """Refuse ``gradient_accumulation_fusion`` where neither Apex nor this torch can run it (the validation
+    pass calls this, so --dry-run refuses what a run would)."""
+    if model.gradient_accumulation_fusion and not (_apex_has_it() or addmm_has_fp32_output()):
+        raise ConfigError("model.gradient_accumulation_fusion",
+                          f"needs Apex or torch >= 2.8 (torch.addmm with out_dtype); this is torch {torch.__version__}.",
+                          "Set model.gradient_accumulation_fusion=false.")
+
+
 def install() -> None:
     """Stand in for Apex's extension in megatron-core's linear layers, unless Apex provides it. Call
     before building a model with ``gradient_accumulation_fusion``."""
@@ -38,18 +51,15 @@ def install() -> None:
 
     from megatron.core.tensor_parallel import layers
 
-    if layers._grad_accum_fusion_available:
-        return
-    if not addmm_has_fp32_output():
-        from bridge_cli.config.errors import ConfigError
-
-        raise ConfigError("model.gradient_accumulation_fusion",
-                          f"needs Apex or torch >= 2.8 (torch.addmm with out_dtype); this is torch {torch.__version__}.",
-                          "Set model.gradient_accumulation_fusion=false.")
-    layers.fused_weight_gradient_mlp_cuda = sys.modules[__name__]
-    layers._grad_accum_fusion_available = True
+    if not layers._grad_accum_fusion_available:
+        layers.fused_weight_gradient_mlp_cuda = sys.modules[__name__]
+        layers._grad_accum_fusion_available = True
 
 
 def addmm_has_fp32_output() -> bool:
     """Whether this torch has ``torch.addmm(..., out_dtype=...)`` (2.8 and newer)."""
     return "dtype_out" in torch.ops.aten.addmm.overloads()
+
+
+def _apex_has_it() -> bool:
+    return importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None

@@ -1,8 +1,11 @@
 """model.gradient_accumulation_fusion without Apex (bridge_cli/models/wgrad_accumulation.py): the GEMM adds
-into main_grad, megatron-core's linears find it where they look for Apex, and an old torch is refused.
-Training with it is tested on the GPU (tests/gpu/test_gpu_perf_options.py)."""
+into main_grad, megatron-core's linears find it where they look for Apex, and validation refuses it on a
+torch without addmm's fp32 output unless Apex is there. Training with it is tested on the GPU
+(tests/gpu/test_gpu_perf_options.py)."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -30,11 +33,11 @@ def test_megatron_core_linears_find_it_where_they_look_for_apex(monkeypatch):
     assert layers.fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32 is wgrad_accumulation.wgrad_gemm_accum_fp32
 
 
-def test_a_torch_without_fp32_addmm_output_is_refused(monkeypatch):
-    from megatron.core.tensor_parallel import layers
-
-    monkeypatch.setattr(layers, "_grad_accum_fusion_available", False)
+def test_a_torch_without_fp32_addmm_output_is_refused_at_validation(monkeypatch):
     monkeypatch.setattr(wgrad_accumulation, "addmm_has_fp32_output", lambda: False)
+    monkeypatch.setattr(wgrad_accumulation, "_apex_has_it", lambda: False)
     with pytest.raises(ConfigError, match="model.gradient_accumulation_fusion: needs Apex or torch >= 2.8"):
-        wgrad_accumulation.install()
-    assert not layers._grad_accum_fusion_available
+        wgrad_accumulation.check(SimpleNamespace(gradient_accumulation_fusion=True))
+    wgrad_accumulation.check(SimpleNamespace(gradient_accumulation_fusion=False))
+    monkeypatch.setattr(wgrad_accumulation, "_apex_has_it", lambda: True)
+    wgrad_accumulation.check(SimpleNamespace(gradient_accumulation_fusion=True))
