@@ -5,7 +5,9 @@ megatron-core's own experts without Transformer Engine are ``SequentialMLP``: on
 expert, run in a Python loop. :class:`GroupedGemmExperts` keeps every local expert's weights in one
 ``[experts, out, in]`` tensor per projection and runs each projection for all experts at once:
 ``torch._grouped_mm`` on CUDA in bf16 (Hopper and newer), else a loop of GEMMs over the experts
-(the CPU, fp32, older GPUs and torch), which is what ``SequentialMLP`` computes.
+(the CPU, fp32, older GPUs and torch), which is what ``SequentialMLP`` computes. With
+``model.gradient_accumulation_fusion``, the grouped weight gradients are added into ``main_grad`` by
+one Triton kernel (``grouped_wgrad``) instead of being written in bf16 and added afterwards.
 
 Checkpoints: the sharded state dict is the one ``SequentialMLP`` and ``TEGroupedMLP`` write (they
 are interchangeable by design in megatron-core 0.16 to 0.19): ``<layer>.mlp.experts.linear_fc1.weight``
@@ -23,6 +25,8 @@ from typing import Optional
 import torch
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 from megatron.core.transformer.module import MegatronModule
+
+from bridge_cli.models import grouped_wgrad
 
 
 _EXTRA_STATE = "extra_state_of_expert_"
@@ -102,7 +106,8 @@ class GroupedGemmExperts(MegatronModule):
 
     def project(self, linear: str, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """One projection (``linear_fc1`` or ``linear_fc2``) of every local expert over its tokens."""
-        return grouped_linear(x, self.weight1 if linear == "linear_fc1" else self.weight2, tokens_per_expert)
+        weight = self.weight1 if linear == "linear_fc1" else self.weight2
+        return grouped_linear(x, weight, tokens_per_expert, self.config.gradient_accumulation_fusion)
 
     def _activation(self, x: torch.Tensor) -> torch.Tensor:
         """megatron-core's MLP activation without bias fusion (the same numbers)."""
@@ -180,15 +185,54 @@ class GroupedGemmExperts(MegatronModule):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
 
-def grouped_linear(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch.Tensor,
+                   into_main_grad: bool = False) -> torch.Tensor:
     """Rows of ``x`` grouped by expert (``tokens_per_expert[e]`` rows for expert e) times each
-    expert's ``weight[e].T``: one grouped GEMM where the device has it, else a loop of GEMMs."""
+    expert's ``weight[e].T``: one grouped GEMM where the device has it, else a loop of GEMMs.
+    ``into_main_grad``: the weight's gradient is added into its ``main_grad`` by the weight-gradient
+    GEMM (``model.gradient_accumulation_fusion``), where the grouped GEMM runs and Triton imports."""
     if _grouped_mm_supported(x, weight):
         offsets = torch.cumsum(tokens_per_expert.to(device=x.device), dim=0, dtype=torch.int32)
+        if into_main_grad and grouped_wgrad.available():
+            return _grouped_linear_into_main_grad(x, weight, offsets)
         return torch._grouped_mm(x, weight.transpose(1, 2), offs=offsets)
     counts = tokens_per_expert.tolist() if torch.is_tensor(tokens_per_expert) else list(tokens_per_expert)
     pieces = torch.split(x, counts)
     return torch.cat([piece @ weight[e].t() for e, piece in enumerate(pieces)], dim=0)
+
+
+@torch.compiler.disable
+def _grouped_linear_into_main_grad(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Eager under ``model.compile_layers``: the backward writes into ``weight.main_grad``, a Python
+    attribute that compiled backward graphs do not see (the layer's graph breaks here)."""
+    if not hasattr(weight, "main_grad"):  # not wrapped for data-parallel training (evaluation, export)
+        return torch._grouped_mm(x, weight.transpose(1, 2), offs=offsets)
+    return _GroupedLinearIntoMainGrad.apply(x, weight, offsets)
+
+
+class _GroupedLinearIntoMainGrad(torch.autograd.Function):
+    """``torch._grouped_mm`` whose weight gradient :func:`grouped_wgrad.accumulate` adds into
+    ``weight.main_grad``; the weight's own gradient is then an unused placeholder, flagged as
+    megatron-core's linears flag theirs (``grad_added_to_main_grad``) so the data-parallel wrapper
+    does not add it again."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, weight, offsets)
+        return torch._grouped_mm(x, weight.transpose(1, 2), offs=offsets)
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        x, weight, offsets = ctx.saved_tensors
+        grad_output = grad_output.contiguous()
+        grad_x = torch._grouped_mm(grad_output, weight, offs=offsets) if ctx.needs_input_grad[0] else None
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            grouped_wgrad.accumulate(grad_output, x, offsets, weight.main_grad)
+            if hasattr(weight, "grad_added_to_main_grad"):
+                grad_weight = torch.empty_like(weight)
+                weight.grad_added_to_main_grad = True
+        return grad_x, grad_weight, None
 
 
 def _grouped_mm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
