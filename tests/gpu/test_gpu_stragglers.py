@@ -18,8 +18,8 @@ from tests.conftest import REPO, _free_port, bridge, torchrun
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
 REPORT = re.compile(r"MnEtpt/Rnk: ([0-9.]+)TF/(\d+) \| MxEtpt/Rnk: ([0-9.]+)TF/(\d+)")
-RUN = ["recipe=gpt2_124m", "train.global_batch_size=32", "train.eval_iters=0", "logger.log_interval=5",
-       "straggler.log_straggler=true"]
+RUN = ["recipe=gpt2_124m", "train.micro_batch_size=32", "train.global_batch_size=32", "train.eval_iters=0",
+       "logger.log_interval=5", "straggler.log_straggler=true"]
 
 
 def test_each_log_interval_reports_the_slowest_and_fastest_rank():
