@@ -18,7 +18,7 @@ from tests.conftest import REPO, _free_port, bridge, torchrun
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
 REPORT = re.compile(r"MnEtpt/Rnk: ([0-9.]+)TF/(\d+) \| MxEtpt/Rnk: ([0-9.]+)TF/(\d+)")
-RUN = ["recipe=gpt2_124m", "train.micro_batch_size=32", "train.global_batch_size=32", "train.eval_iters=0",
+RUN = ["recipe=gpt2_124m", "train.micro_batch_size=16", "train.global_batch_size=32", "train.eval_iters=0",
        "logger.log_interval=5", "straggler.log_straggler=true"]
 
 
