@@ -15,22 +15,11 @@ import argparse
 import torch
 
 from bridge_cli.models import grouped_wgrad
+from fp8_gemms import time_ms
 
 CONFIGS = [(128, 128, 64, 4, 4), (128, 128, 32, 4, 4), (128, 128, 32, 4, 5), (128, 128, 32, 8, 4),
            (128, 256, 32, 8, 4), (256, 128, 32, 8, 4), (128, 64, 32, 4, 4), (64, 128, 32, 4, 4),
            (128, 128, 16, 4, 6), (256, 256, 32, 8, 3)]
-
-
-def timed(fn, repeats: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        fn()
-    stop.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(stop) / repeats
 
 
 def routed_ends(tokens: int, experts: int) -> torch.Tensor:
@@ -76,11 +65,11 @@ def main() -> None:
             main_grad.add_(torch._grouped_mm(x.t(), dy, offs=ends).transpose(1, 2).contiguous())
 
         for label, fn in (("grouped_mm (bf16 out)", grouped_mm_only), ("grouped_mm + copy + add", grouped_mm_and_add)):
-            ms = timed(fn)
+            ms = time_ms(fn)
             rows.append((name, label, ms, flops / ms / 1e9))
         for config in CONFIGS:
             try:
-                ms = timed(lambda: grouped_wgrad.accumulate(dy, x, ends, main_grad, config))
+                ms = time_ms(lambda: grouped_wgrad.accumulate(dy, x, ends, main_grad, config))
             except Exception as error:  # a tile that does not fit the shared memory
                 print(f"{name} {config}: {type(error).__name__}")
                 continue
