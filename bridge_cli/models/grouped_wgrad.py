@@ -19,6 +19,7 @@ import functools
 import torch
 
 
+@functools.cache
 def available() -> bool:
     """Whether Triton imports (CUDA builds of torch ship it)."""
     try:
