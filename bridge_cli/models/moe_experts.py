@@ -195,7 +195,7 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: tor
         offsets = torch.cumsum(tokens_per_expert.to(device=x.device), dim=0, dtype=torch.int32)
         if into_main_grad and grouped_wgrad.available():
             return _grouped_linear_into_main_grad(x, weight, offsets)
-        return torch._grouped_mm(x, weight.transpose(1, 2), offs=offsets)
+        return _grouped_mm(x, weight, offsets)
     counts = tokens_per_expert.tolist() if torch.is_tensor(tokens_per_expert) else list(tokens_per_expert)
     pieces = torch.split(x, counts)
     return torch.cat([piece @ weight[e].t() for e, piece in enumerate(pieces)], dim=0)
@@ -206,7 +206,7 @@ def _grouped_linear_into_main_grad(x: torch.Tensor, weight: torch.Tensor, offset
     """Eager under ``model.compile_layers``: the backward writes into ``weight.main_grad``, a Python
     attribute that compiled backward graphs do not see (the layer's graph breaks here)."""
     if not hasattr(weight, "main_grad"):  # not wrapped for data-parallel training (evaluation, export)
-        return torch._grouped_mm(x, weight.transpose(1, 2), offs=offsets)
+        return _grouped_mm(x, weight, offsets)
     return _GroupedLinearIntoMainGrad.apply(x, weight, offsets)
 
 
@@ -219,7 +219,7 @@ class _GroupedLinearIntoMainGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(x, weight, offsets)
-        return torch._grouped_mm(x, weight.transpose(1, 2), offs=offsets)
+        return _grouped_mm(x, weight, offsets)
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
@@ -233,6 +233,11 @@ class _GroupedLinearIntoMainGrad(torch.autograd.Function):
                 grad_weight = torch.empty_like(weight)
                 weight.grad_added_to_main_grad = True
         return grad_x, grad_weight, None
+
+
+def _grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Each expert's rows of ``x`` (up to ``offsets[e]``, cumulative) times its ``weight[e].T``, one grouped GEMM."""
+    return torch._grouped_mm(x, weight.transpose(1, 2), offs=offsets)
 
 
 def _grouped_mm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
