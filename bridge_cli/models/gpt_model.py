@@ -12,7 +12,8 @@ as if it ran alone; the layers apply the ``[s, b, 1, d]`` table as they apply th
 (:mod:`~bridge_cli.models.local_rope`), ``model.final_logit_softcapping`` soft-caps the output
 logits (Gemma 2), on each tensor-parallel rank's share of the vocabulary, and
 ``model.fused_linear_cross_entropy`` computes the loss without the whole logits
-(:mod:`~bridge_cli.models.linear_cross_entropy`). Everything else, state-dict keys included, is megatron-core's.
+(:mod:`~bridge_cli.models.linear_cross_entropy`), and ``model.cross_entropy_fusion_impl=triton`` without their fp32
+copy (:mod:`~bridge_cli.models.cross_entropy`). Everything else, state-dict keys included, is megatron-core's.
 """
 
 from __future__ import annotations
@@ -20,14 +21,14 @@ from __future__ import annotations
 import torch
 from megatron.core.models.gpt import GPTModel as MCoreGPTModel
 
-from bridge_cli.models import linear_cross_entropy
+from bridge_cli.models import cross_entropy, linear_cross_entropy
 from bridge_cli.models.attention.masks import DocumentParams
 
 
 class GPTModel(MCoreGPTModel):
     """``GPTModel`` whose RoPE follows ``DocumentParams.rope_positions`` when a batch carries them, with
     ``model.local_rotary_base``, ``model.scale_embeddings``, ``model.final_logit_softcapping`` and
-    ``model.fused_linear_cross_entropy`` when its config sets them."""
+    ``model.fused_linear_cross_entropy`` and ``model.cross_entropy_fusion_impl=triton`` when its config sets them."""
 
     def __init__(self, config, *args, **kwargs):
         super().__init__(config, *args, **kwargs)
@@ -83,9 +84,11 @@ class GPTModel(MCoreGPTModel):
 
     def compute_language_model_loss(self, labels, logits):
         deferred = next((weight for hidden, weight in self._deferred if hidden is logits), None)
-        if deferred is None:
-            return super().compute_language_model_loss(labels, logits)
         tp = self.pg_collection.tp
+        if deferred is None:
+            if cross_entropy.selected(self.config):
+                return cross_entropy.language_model_loss(labels, logits, tp if tp.size() > 1 else None)
+            return super().compute_language_model_loss(labels, logits)
         seq, batch, hidden = logits.shape
         losses = linear_cross_entropy.LinearCrossEntropy.apply(
             logits.reshape(seq * batch, hidden), deferred, labels.t().reshape(-1), tp if tp.size() > 1 else None,

@@ -19,16 +19,6 @@ import functools
 import torch
 
 
-@functools.cache
-def available() -> bool:
-    """Whether Triton imports (CUDA builds of torch ship it)."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def accumulate(grad_output: torch.Tensor, x: torch.Tensor, ends: torch.Tensor, main_grad: torch.Tensor,
                block: tuple = (128, 128, 32, 4, 4)) -> None:
     """``main_grad[e] += grad_output[rows of e]^T @ x[rows of e]`` for every expert ``e``.

@@ -1,8 +1,10 @@
 """Config rules of the Gemma-style model options that the ``local``/``torch`` specs add (models/specs.py):
-``layernorm_zero_centered_gamma``, ``post_sublayer_norm``, ``local_rotary_base`` and the soft caps;
-checked before any model is built."""
+``layernorm_zero_centered_gamma``, ``post_sublayer_norm``, ``local_rotary_base`` and the soft caps, and the
+choice of cross entropy; checked before any model is built."""
 
 from __future__ import annotations
+
+import importlib.util
 
 from bridge_cli.config.errors import ConfigError
 
@@ -33,6 +35,14 @@ def check_layer_options(model) -> None:
         raise ConfigError("model.local_rotary_base", "sets the RoPE base of the sliding-window layers, which needs "
                           "model.position_embedding_type=rope without multi-latent attention.",
                           "Unset model.local_rotary_base.")
+    if model.cross_entropy_fusion_impl != "native" and not model.cross_entropy_loss_fusion:
+        raise ConfigError("model.cross_entropy_fusion_impl", f"{model.cross_entropy_fusion_impl} is a fused "
+                          "cross entropy, and model.cross_entropy_loss_fusion=false runs the unfused one.",
+                          "Set model.cross_entropy_loss_fusion=true.")
+    if model.cross_entropy_fusion_impl == "te" and importlib.util.find_spec("transformer_engine") is None:
+        raise ConfigError("model.cross_entropy_fusion_impl", "te is Transformer Engine's kernel, and "
+                          "transformer_engine does not import here.",
+                          "Set model.cross_entropy_fusion_impl=triton (bridge's, without Transformer Engine) or native.")
     if model.fused_linear_cross_entropy:
         for key in ("fp16_lm_cross_entropy", "use_mup"):
             if getattr(model, key, False):

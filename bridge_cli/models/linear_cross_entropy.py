@@ -43,7 +43,7 @@ class LinearCrossEntropy(torch.autograd.Function):
         for start in range(0, hidden.shape[0], chunk):
             rows = slice(start, start + chunk)
             logits = hidden[rows] @ weight.t()
-            local = _local_labels(labels[rows], first, weight.shape[0])
+            local = local_labels(labels[rows], first, weight.shape[0])
             peak, target = math.peak_and_target(logits, local, softcap)
             _all_reduce(peak, group, dist.ReduceOp.MAX)
             sum_exp = math.sum_exp(logits, peak, softcap)
@@ -63,7 +63,7 @@ class LinearCrossEntropy(torch.autograd.Function):
         grad_weight = torch.zeros(weight.shape, dtype=_upcast(weight.dtype), device=weight.device)
         for start in range(0, hidden.shape[0], ctx.chunk):
             rows = slice(start, start + ctx.chunk)
-            local = _local_labels(labels[rows], first, weight.shape[0])
+            local = local_labels(labels[rows], first, weight.shape[0])
             grad = ctx.math.grad_logits(hidden[rows] @ weight.t(), log_sum_exp[rows], local, grad_losses[rows],
                                         ctx.softcap)
             grad_hidden[rows] = grad @ weight
@@ -128,7 +128,7 @@ def _upcast(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _local_labels(labels: torch.Tensor, first: int, rows: int) -> torch.Tensor:
+def local_labels(labels: torch.Tensor, first: int, rows: int) -> torch.Tensor:
     """Each label's row in this rank's share of the vocabulary, -1 where another rank holds it."""
     local = labels - first
     return torch.where((local >= 0) & (local < rows), local, -1)

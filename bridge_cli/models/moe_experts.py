@@ -27,6 +27,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTenso
 from megatron.core.transformer.module import MegatronModule
 
 from bridge_cli.models import grouped_wgrad
+from bridge_cli.models.triton_support import available as triton_available
 
 
 _EXTRA_STATE = "extra_state_of_expert_"
@@ -193,7 +194,7 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: tor
     GEMM (``model.gradient_accumulation_fusion``), where the grouped GEMM runs and Triton imports."""
     if _grouped_mm_supported(x, weight):
         offsets = torch.cumsum(tokens_per_expert.to(device=x.device), dim=0, dtype=torch.int32)
-        if into_main_grad and grouped_wgrad.available():
+        if into_main_grad and triton_available():
             return _grouped_linear_into_main_grad(x, weight, offsets)
         return _grouped_mm(x, weight, offsets)
     counts = tokens_per_expert.tolist() if torch.is_tensor(tokens_per_expert) else list(tokens_per_expert)

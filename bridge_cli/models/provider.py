@@ -111,6 +111,11 @@ class GPTModelProvider(MLATransformerConfig):
     fp16_lm_cross_entropy: bool = False
     """Compute the language-model cross entropy in fp16 instead of fp32."""
 
+    cross_entropy_fusion_impl: Literal["native", "te", "triton"] = "native"
+    """The cross entropy cross_entropy_loss_fusion selects: megatron-core's (native: keeps the fp32 softmax of the
+    logits for its backward), Transformer Engine's (te), or bridge's (triton: keeps the bf16 logits and one number a
+    token, recomputes the softmax in the backward; Triton kernels on CUDA, the same math as torch passes on the CPU)."""
+
     fused_linear_cross_entropy: bool = False
     """Project onto the vocabulary and take the cross entropy in chunks of linear_cross_entropy_chunk tokens, the
     logits never whole (the fp32 logits of 32K tokens x 128K vocabulary are 16 GiB); the projection runs twice.

@@ -16,6 +16,7 @@ import warnings
 
 import torch
 
+from bridge_cli.models import cross_entropy
 from bridge_cli.models.linear_cross_entropy import compiled_chunk_math
 
 
@@ -35,6 +36,6 @@ def compile_layers(chunks: list) -> None:
                 # the cross entropy over the vocabulary: its fp32 passes over the logits fuse
                 if getattr(module.config, "fused_linear_cross_entropy", False):  # chunk by chunk, between GEMMs
                     module.loss_chunk_math = compiled_chunk_math()
-                else:
+                elif not cross_entropy.selected(module.config):  # that one is two kernels already
                     module.compute_language_model_loss = torch.compile(module.compute_language_model_loss,
                                                                        dynamic=False)

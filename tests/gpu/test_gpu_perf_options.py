@@ -90,3 +90,44 @@ def test_wgrad_gemm_adds_into_main_grad(grad_dtype):
     wgrad_gemm_accum_fp32(x, dy, main_grad)
     tolerance = 1e-4 if grad_dtype == "float32" else 1e-1
     assert torch.allclose(main_grad.double(), expected, atol=tolerance, rtol=1e-2 if grad_dtype != "float32" else 1e-5)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_triton_cross_entropy_trains_like_the_native_one(default_curve, compiled):
+    """model.cross_entropy_fusion_impl=triton against the unfused loss (the default curve), eager and compiled."""
+    triton = curve("model.cross_entropy_loss_fusion=true", "model.cross_entropy_fusion_impl=triton",
+                   f"model.compile_layers={str(compiled).lower()}")
+    assert triton == pytest.approx(default_curve, rel=1e-2)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("vocab, first", [(50257, 0), (4099, 4099), (1000, 0)])
+def test_triton_cross_entropy_kernels_equal_float64(dtype, vocab, first):
+    """The two kernels on a vocabulary that no block divides, and on a rank's slice (labels ``first`` onwards are
+    its own): per-row max, sum of exponentials and label logit, then softmax minus one-hot times the gradient."""
+    import torch
+
+    from bridge_cli.models import cross_entropy
+
+    torch.manual_seed(0)
+    rows = 257
+    logits = (torch.randn(rows, vocab, device="cuda") * 5).to(getattr(torch, dtype))
+    labels = torch.randint(0, 2 * vocab, (rows,), device="cuda")  # half of them on another rank's slice
+    upstream = torch.randn(rows, device="cuda")
+    exact = logits.double()
+    local = labels - first
+    on_rank = (local >= 0) & (local < vocab)
+    peak, sum_exp, target = cross_entropy._row_stats(logits, labels, first)
+    torch.testing.assert_close(peak.double(), exact.max(-1).values, rtol=0, atol=0)
+    want_sum = (exact - exact.max(-1, keepdim=True).values).exp().sum(-1)
+    torch.testing.assert_close(sum_exp.double(), want_sum, rtol=1e-5, atol=0)  # fp32 sums of up to 50K terms
+    want_target = torch.where(on_rank, exact.gather(-1, local.clamp(0, vocab - 1)[:, None])[:, 0], 0.0)
+    torch.testing.assert_close(target.double(), want_target, rtol=0, atol=0)
+
+    log_sum_exp = exact.logsumexp(-1)
+    grad = cross_entropy._grad_logits(logits, labels, first, log_sum_exp.float(), upstream)
+    want = (exact - log_sum_exp[:, None]).exp()
+    want[on_rank.nonzero()[:, 0], local[on_rank]] -= 1.0
+    want = (want * upstream.double()[:, None]).to(logits.dtype)
+    assert grad.dtype == logits.dtype
+    torch.testing.assert_close(grad, want, rtol=1e-5 if dtype == "float32" else 1.6e-2, atol=1e-6)
