@@ -112,9 +112,10 @@ class GPTModelProvider(MLATransformerConfig):
     """Compute the language-model cross entropy in fp16 instead of fp32."""
 
     cross_entropy_fusion_impl: Literal["native", "te", "triton"] = "native"
-    """The cross entropy cross_entropy_loss_fusion selects: megatron-core's (native: keeps the fp32 softmax of the
-    logits for its backward), Transformer Engine's (te), or bridge's (triton: keeps the bf16 logits and one number a
-    token, recomputes the softmax in the backward; Triton kernels on CUDA, the same math as torch passes on the CPU)."""
+    """The loss cross_entropy_loss_fusion runs: native (megatron-core's), te, or triton (bridge's: no fp32 logits).
+    native keeps the fp32 softmax of the logits for its backward; te is Transformer Engine's; triton keeps the bf16
+    logits and one number a token and recomputes the softmax in its backward (Triton kernels on CUDA, the same math
+    as torch passes on the CPU)."""
 
     fused_linear_cross_entropy: bool = False
     """Project onto the vocabulary and take the cross entropy in chunks of linear_cross_entropy_chunk tokens, the
