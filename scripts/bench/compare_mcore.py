@@ -47,6 +47,7 @@ PROXY_OVERRIDES = [
     "train.micro_batch_size=1", "model.compile_layers=false", "train.global_batch_size=8", "model.seq_length=4096",
     "train.eval_iters=0", "logger.log_interval=1", "scheduler.lr_warmup_iters=1", "scheduler.lr_decay_iters=1000",
     "dataset.num_workers=2", "model.gradient_accumulation_fusion=false",  # bare megatron-core has no Apex for it
+    "model.cross_entropy_fusion_impl=native",  # bare megatron-core's loss; llama1b's triton one is a lever
 ]
 
 
