@@ -6,7 +6,8 @@ backward and makes its gradient from it: per micro-batch of gpt2_124m (65,536 to
 kernels a micro-batch, 13% of the step). Here the forward reads the bf16 logits once (each token's max,
 sum of exponentials and label logit, accumulated online in fp32) and keeps the logits and one fp32
 log-sum-exp per token; the backward reads the logits once more and writes ``softmax - one-hot`` times
-the loss's gradient straight in the logits' dtype.
+the loss's gradient straight in the logits' dtype, into the logits' own storage when the caller's logits
+are spent after the loss (a model's are), so the logits and their gradient never coexist.
 
 Across tensor-parallel ranks, each holding a slice of the vocabulary, the three per-token numbers are
 combined with all-reduces as megatron-core's ``vocab_parallel_cross_entropy`` combines them. On CUDA
@@ -32,11 +33,13 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
     """Per-token ``logsumexp(logits) - logits[label]`` over a vocabulary split across ``group``.
 
     ``logits`` [tokens, vocab / ranks] (this rank's columns, any float dtype), ``labels`` [tokens] (ids
-    in the whole vocabulary). Returns fp32 [tokens]; the gradient comes back in the logits' dtype.
+    in the whole vocabulary). Returns fp32 [tokens]; the gradient comes back in the logits' dtype. With
+    ``in_place`` the backward writes it into the logits' storage and moves their version counter: an op
+    that kept the same logits for its own backward then fails loudly instead of reading gradients.
     """
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, group) -> torch.Tensor:
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, group, in_place: bool = False) -> torch.Tensor:
         logits, labels = logits.contiguous(), labels.contiguous()
         first = 0 if group is None else dist.get_rank(group) * logits.shape[1]
         peak, sum_exp, target = _row_stats(logits, labels, first)
@@ -48,13 +51,14 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
             dist.all_reduce(target, group=group)
         log_sum_exp = peak + sum_exp.log()
         ctx.save_for_backward(logits, labels, log_sum_exp)
-        ctx.first = first
+        ctx.first, ctx.in_place = first, in_place
         return log_sum_exp - target
 
     @staticmethod
     def backward(ctx, grad_losses: torch.Tensor):
         logits, labels, log_sum_exp = ctx.saved_tensors
-        return _grad_logits(logits, labels, ctx.first, log_sum_exp, grad_losses.contiguous()), None, None
+        grad = _grad_logits(logits, labels, ctx.first, log_sum_exp, grad_losses.contiguous(), ctx.in_place)
+        return grad, None, None, None
 
 
 def selected(config) -> bool:
@@ -62,11 +66,13 @@ def selected(config) -> bool:
     return config.cross_entropy_loss_fusion and config.cross_entropy_fusion_impl == "triton"
 
 
-def language_model_loss(labels: torch.Tensor, logits: torch.Tensor, group) -> torch.Tensor:
+def language_model_loss(labels: torch.Tensor, logits: torch.Tensor, group, in_place: bool = True) -> torch.Tensor:
     """megatron-core's ``compute_language_model_loss`` contract: ``labels`` [b, s], ``logits`` [s, b, vocab /
-    ranks] -> fp32 losses [b, s]. ``group``: the tensor-parallel group, None for one rank."""
+    ranks] -> fp32 losses [b, s]. ``group``: the tensor-parallel group, None for one rank. ``in_place``: the
+    logits are spent after the loss (a model's are), so their storage takes the gradient."""
     seq, batch, vocab = logits.shape
-    losses = VocabParallelCrossEntropy.apply(logits.reshape(seq * batch, vocab), labels.t().reshape(-1), group)
+    losses = VocabParallelCrossEntropy.apply(logits.reshape(seq * batch, vocab), labels.t().reshape(-1), group,
+                                             in_place)
     return losses.view(seq, batch).t().contiguous()
 
 
@@ -85,16 +91,21 @@ def _row_stats(logits: torch.Tensor, labels: torch.Tensor, first: int):
 
 
 def _grad_logits(logits: torch.Tensor, labels: torch.Tensor, first: int, log_sum_exp: torch.Tensor,
-                 grad_losses: torch.Tensor) -> torch.Tensor:
-    """``(softmax - one-hot(label)) * grad_losses`` per row, in the logits' dtype."""
+                 grad_losses: torch.Tensor, in_place: bool) -> torch.Tensor:
+    """``(softmax - one-hot(label)) * grad_losses`` per row, in the logits' dtype: in their storage with
+    ``in_place``, else in a new tensor."""
     rows, vocab = logits.shape
     if not (logits.is_cuda and triton_available()):
         local = passes.local_labels(labels, first, vocab)
-        return passes.EAGER.grad_logits(logits, log_sum_exp, local, grad_losses, None)
-    grad = torch.empty_like(logits)
+        # the pass works in place on fp32 logits and makes a new tensor for narrower ones
+        grad = passes.EAGER.grad_logits(logits if in_place else logits.clone(), log_sum_exp, local, grad_losses, None)
+        return logits.copy_(grad) if in_place and grad is not logits else grad
+    grad = logits if in_place else torch.empty_like(logits)
     if rows:
         _kernels()[1][(rows,)](logits, labels, log_sum_exp, grad_losses, grad, vocab, first, BLOCK=BLOCK,
                                num_warps=WARPS)
+    if in_place:
+        torch.autograd.graph.increment_version(logits)
     return grad
 
 

@@ -104,7 +104,8 @@ def test_triton_cross_entropy_trains_like_the_native_one(default_curve, compiled
 @pytest.mark.parametrize("vocab, first", [(50257, 0), (4099, 4099), (1000, 0)])
 def test_triton_cross_entropy_kernels_equal_float64(dtype, vocab, first):
     """The two kernels on a vocabulary that no block divides, and on a rank's slice (labels ``first`` onwards are
-    its own): per-row max, sum of exponentials and label logit, then softmax minus one-hot times the gradient."""
+    its own): per-row max, sum of exponentials and label logit, then softmax minus one-hot times the gradient,
+    into a new tensor and into the logits' own storage."""
     import torch
 
     from bridge_cli.models import cross_entropy
@@ -125,9 +126,14 @@ def test_triton_cross_entropy_kernels_equal_float64(dtype, vocab, first):
     torch.testing.assert_close(target.double(), want_target, rtol=0, atol=0)
 
     log_sum_exp = exact.logsumexp(-1)
-    grad = cross_entropy._grad_logits(logits, labels, first, log_sum_exp.float(), upstream)
+    grad = cross_entropy._grad_logits(logits, labels, first, log_sum_exp.float(), upstream, False)
     want = (exact - log_sum_exp[:, None]).exp()
     want[on_rank.nonzero()[:, 0], local[on_rank]] -= 1.0
     want = (want * upstream.double()[:, None]).to(logits.dtype)
-    assert grad.dtype == logits.dtype
+    assert grad.dtype == logits.dtype and grad.data_ptr() != logits.data_ptr()
     torch.testing.assert_close(grad, want, rtol=1e-5 if dtype == "float32" else 1.6e-2, atol=1e-6)
+    spent = logits.clone()  # in place: the same numbers in the logits' storage, their version moved
+    version = spent._version
+    in_place = cross_entropy._grad_logits(spent, labels, first, log_sum_exp.float(), upstream, True)
+    assert in_place.data_ptr() == spent.data_ptr() and spent._version > version
+    torch.testing.assert_close(in_place, grad, rtol=0, atol=0)

@@ -44,3 +44,15 @@ def test_the_fused_losses_over_a_vocabulary_split_by_tensor_parallelism():
     for fused_train, fused_valid in others:
         assert fused_train == pytest.approx(train, rel=1e-6)
         assert fused_valid == pytest.approx(valid, rel=1e-6)
+
+
+@pytest.mark.slow
+def test_the_triton_loss_overwrites_soft_capped_logits_safely():
+    """Its gradient takes the logits' storage; soft capping's tanh keeps its own output, not the logits, so the
+    curve is the unfused one."""
+    runs = [bridge("pretrain", *RUN, "model.final_logit_softcapping=30", *extra) for extra in ([], TRITON)]
+    for run in runs:
+        assert run.returncode == 0, run.stderr[-3000:]
+    (train, valid), (triton_train, triton_valid) = (curves(run.stdout) for run in runs)
+    assert len(train) == 4 and triton_train == pytest.approx(train, rel=1e-6)
+    assert triton_valid == pytest.approx(valid, rel=1e-6)
