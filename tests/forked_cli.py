@@ -36,11 +36,11 @@ REPO = Path(__file__).resolve().parent.parent
 # What bridge and the libraries it imports at run time (not at import) read from the environment,
 # PYTHONPATH (which the child applies itself), and pytest's name of the test being run, which nothing
 # reads. CUDA_VISIBLE_DEVICES is read when CUDA starts, which never happens in the server (no run
-# forks where a GPU is visible).
+# forks where a GPU is visible); XDG_CACHE_HOME and TORCHINDUCTOR_CACHE_DIR when something compiles.
 RUN_TIME_VARIABLES = re.compile(
     r"(BRIDGE_|MLFLOW_|COMET_|WANDB_|SLURM_|TORCHELASTIC_).*|RANK|LOCAL_RANK|GROUP_RANK|ROLE_RANK|ROLE_NAME|"
     r"WORLD_SIZE|LOCAL_WORLD_SIZE|GROUP_WORLD_SIZE|ROLE_WORLD_SIZE|MASTER_ADDR|MASTER_PORT|OMP_NUM_THREADS|"
-    r"CUDA_VISIBLE_DEVICES|PYTHONPATH|PYTEST_CURRENT_TEST")
+    r"CUDA_VISIBLE_DEVICES|PYTHONPATH|PYTEST_CURRENT_TEST|XDG_CACHE_HOME|TORCHINDUCTOR_CACHE_DIR")
 
 
 class ForkedCli:

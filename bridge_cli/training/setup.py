@@ -188,6 +188,7 @@ def initialize(state: GlobalState):
     from bridge_cli.logging.python_logging import configure_python_logging
     from bridge_cli.logging.stragglers import start_straggler_detector
     from bridge_cli.logging.timers import build_timers
+    from bridge_cli.runtime.compile_cache import use_persistent_compile_cache
     from bridge_cli.runtime.distributed import init_distributed
 
     cfg = state.cfg
@@ -195,6 +196,8 @@ def initialize(state: GlobalState):
         # Before the CUDA context exists: keeps tensor-parallel communication ordered ahead of the
         # compute it overlaps with, as Megatron-LM requires.
         os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    if cfg.model.compile_layers or torch.cuda.is_available():  # megatron-core compiles its fused kernels on CUDA
+        use_persistent_compile_cache()
     m = cfg.model
     runtime = init_distributed(
         backend=cfg.dist.distributed_backend or "auto",

@@ -20,16 +20,20 @@ def eager():
 
 
 def test_compiled_layers_and_loss_train_like_eager_and_save_the_same_checkpoint(eager, tmp_path):
-    compiled = bridge("pretrain", *RUN, "model.compile_layers=true", f"checkpoint.save={tmp_path}",
-                      "checkpoint.save_interval=3", env={"TORCH_LOGS": "dynamo,graph_breaks,recompiles"})
+    ckpt, cache = tmp_path / "ckpt", tmp_path / "cache"
+    compiled = bridge("pretrain", *RUN, "model.compile_layers=true", f"checkpoint.save={ckpt}",
+                      "checkpoint.save_interval=3",
+                      env={"TORCH_LOGS": "dynamo,graph_breaks,recompiles", "XDG_CACHE_HOME": str(cache)})
     assert eager.returncode == 0 and compiled.returncode == 0, compiled.stderr[-3000:]
+    # what it compiled is kept in the user's cache folder, not in /tmp (runtime/compile_cache.py)
+    assert any((cache / "bridge" / "torchinductor").rglob("*.py")), compiled.stderr[-3000:]
     assert len(losses(eager.stdout)) == 6
     assert losses(compiled.stdout) == pytest.approx(losses(eager.stdout), rel=1e-3)
     # two graphs, each compiled once: the whole layer (the second layer reuses the first one's) and the loss
     assert compiled.stderr.count("done compiler function inductor") == 2, compiled.stderr[-3000:]
     assert "Graph break" not in compiled.stderr and "Recompiling" not in compiled.stderr, compiled.stderr[-3000:]
     # an eager run resumes from the compiled run's checkpoint: its keys carry no `_orig_mod.`
-    resumed = bridge("pretrain", *RUN, f"checkpoint.load={tmp_path}", "checkpoint.ckpt_step=3")
+    resumed = bridge("pretrain", *RUN, f"checkpoint.load={ckpt}", "checkpoint.ckpt_step=3")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming at iteration 3" in resumed.stdout
     assert losses(resumed.stdout) == pytest.approx(losses(eager.stdout)[3:], rel=1e-3)
