@@ -93,7 +93,7 @@ def test_wgrad_gemm_adds_into_main_grad(grad_dtype):
 
 
 @pytest.mark.parametrize("compiled", [False, True])
-def test_triton_cross_entropy_trains_like_the_native_one(default_curve, compiled):
+def test_triton_cross_entropy_trains_like_the_unfused_one(default_curve, compiled):
     """model.cross_entropy_fusion_impl=triton against the unfused loss (the default curve), eager and compiled."""
     triton = curve("model.cross_entropy_loss_fusion=true", "model.cross_entropy_fusion_impl=triton",
                    f"model.compile_layers={str(compiled).lower()}")
