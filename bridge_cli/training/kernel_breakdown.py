@@ -10,6 +10,7 @@ from __future__ import annotations
 import gzip
 import json
 import re
+from collections import Counter
 from pathlib import Path
 from typing import Iterable, NamedTuple
 
@@ -71,11 +72,51 @@ def from_profiler(profile) -> list[Kernel]:
 
 def from_trace_file(path: Path) -> list[Kernel]:
     """The same from a Chrome trace (``*.pt.trace.json``, gzipped or not) the profiler wrote."""
+    return [Kernel(e["name"], float(e["ts"]), float(e["dur"])) for e in _events(path) if _is_gpu_work(e)]
+
+
+class OpShare(NamedTuple):
+    kind: str
+    kernel: str
+    op: str  # the CPU op that launched the kernel ("" where the trace does not say)
+    shapes: str  # that op's input shapes (with profiling.record_shapes=true)
+    ms_per_step: float
+    launches_per_step: float
+
+
+def by_launching_op(path: Path, steps: int, top: int) -> list[OpShare]:
+    """GPU time per (kind, kernel, launching op and its input shapes) in a Chrome trace, the ``top`` largest:
+    which op a kind's time goes to (the profiler links each kernel to its op by "External id")."""
+    events = _events(path)
+    ops: dict = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") == "cpu_op" and "External id" in e.get("args", {}):
+            ops.setdefault(e["args"]["External id"], e)
+    time: Counter = Counter()
+    launches: Counter = Counter()
+    for e in filter(_is_gpu_work, events):
+        op = ops.get(e.get("args", {}).get("External id"), {"name": "", "args": {}})
+        key = (kind_of(e["name"]), e["name"], op["name"], str(op["args"].get("Input Dims", "")))
+        time[key] += float(e["dur"])
+        launches[key] += 1
+    return [OpShare(*key, us / steps / 1000, launches[key] / steps) for key, us in time.most_common(top)]
+
+
+def op_table(shares: list[OpShare], title: str) -> str:
+    lines = [title, f"  {'ms/step':>9} {'launches':>8}  {'kind':<20} {'kernel':<50} op (input shapes)"]
+    lines += [f"  {s.ms_per_step:>9.2f} {s.launches_per_step:>8.0f}  {s.kind:<20} {s.kernel[:50]:<50} "
+              f"{s.op} {s.shapes[:100]}" for s in shares]
+    return "\n".join(lines)
+
+
+def _events(path: Path) -> list[dict]:
     opener = gzip.open if str(path).endswith(".gz") else open
     with opener(path, "rt") as f:
-        events = json.load(f)["traceEvents"]
-    return [Kernel(e["name"], float(e["ts"]), float(e["dur"])) for e in events
-            if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+        return json.load(f)["traceEvents"]
+
+
+def _is_gpu_work(event: dict) -> bool:
+    return event.get("ph") == "X" and event.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
 
 
 def table(shares: list[Share], title: str) -> str:

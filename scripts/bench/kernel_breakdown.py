@@ -1,10 +1,12 @@
 """GPU time by kernel kind from PyTorch profiler traces: bridge's, torchtitan's or any other run's.
 
-    python scripts/bench/kernel_breakdown.py TRACE.pt.trace.json[.gz] [TRACE ...] --steps N
+    python scripts/bench/kernel_breakdown.py TRACE.pt.trace.json[.gz] [TRACE ...] --steps N [--ops 40]
 
 bridge prints the same table itself when `profiling.use_pytorch_profiler=true` runs on CUDA; this
 reads traces other trainers wrote (torchtitan: `--profiling.enable_profiling`) so both are split the
-same way. ``--steps`` is how many training steps the trace covers.
+same way. ``--steps`` is how many training steps the trace covers. ``--ops N`` also lists the N largest
+(kind, kernel, launching op, its input shapes): which op a kind's time goes to (shapes where the run
+recorded them, ``profiling.record_shapes=true``).
 """
 
 from __future__ import annotations
@@ -19,10 +21,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("trace", type=Path, nargs="+")
     parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--ops", type=int, default=0, help="also list the N largest (kernel, launching op) rows")
     args = parser.parse_args()
     for trace in args.trace:
         shares = kernel_breakdown.breakdown(kernel_breakdown.from_trace_file(trace), args.steps)
         print(kernel_breakdown.table(shares, f"{trace} ({args.steps} steps), per step:"))
+        if args.ops:
+            rows = kernel_breakdown.by_launching_op(trace, args.steps, args.ops)
+            print(kernel_breakdown.op_table(rows, f"the {args.ops} largest by launching op, per step:"))
 
 
 if __name__ == "__main__":

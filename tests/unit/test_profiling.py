@@ -74,6 +74,25 @@ def test_kernels_are_read_back_from_a_chrome_trace(tmp_path):
         ("nvjet_gemm", 10.0, 5.0), ("Memcpy HtoD", 20.0, 1.0)]
 
 
+def test_kernels_are_attributed_to_the_op_that_launched_them(tmp_path):
+    events = [{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 9,
+               "args": {"External id": 7, "Input Dims": [[4, 8], [8, 2]]}},
+              {"ph": "X", "cat": "cpu_op", "name": "aten::add_", "ts": 20, "dur": 2, "args": {"External id": 9}},
+              {"ph": "X", "cat": "kernel", "name": "nvjet_gemm", "ts": 10, "dur": 6, "args": {"External id": 7}},
+              {"ph": "X", "cat": "kernel", "name": "nvjet_gemm", "ts": 30, "dur": 4, "args": {"External id": 7}},
+              {"ph": "X", "cat": "kernel", "name": "vectorized_elementwise", "ts": 40, "dur": 2,
+               "args": {"External id": 9}},
+              {"ph": "X", "cat": "gpu_memset", "name": "Memset (Device)", "ts": 50, "dur": 1, "args": {}}]
+    with open(tmp_path / "t.pt.trace.json", "w") as f:
+        json.dump({"traceEvents": events}, f)
+    rows = kernel_breakdown.by_launching_op(tmp_path / "t.pt.trace.json", steps=2, top=2)
+    assert rows == [("GEMM", "nvjet_gemm", "aten::mm", "[[4, 8], [8, 2]]", 0.005, 1.0),
+                    (kernel_breakdown.OTHER, "vectorized_elementwise", "aten::add_", "", 0.001, 0.5)]
+    every = kernel_breakdown.by_launching_op(tmp_path / "t.pt.trace.json", steps=1, top=10)
+    assert ("copies and casts", "Memset (Device)", "", "", 0.001, 1.0) in every  # no op in the trace for it
+    assert "aten::mm [[4, 8], [8, 2]]" in kernel_breakdown.op_table(rows, "title")
+
+
 def test_a_cpu_run_prints_no_gpu_breakdown(tmp_path, capsys):
     cfg = ProfilingConfig(use_pytorch_profiler=True, profile_step_start=1, profile_step_end=2)
     _profile_steps(StepProfiler(cfg, rank=0, is_cuda=False, trace_dir=str(tmp_path)), steps=3)
