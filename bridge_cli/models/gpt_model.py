@@ -85,13 +85,14 @@ class GPTModel(MCoreGPTModel):
     def compute_language_model_loss(self, labels, logits):
         deferred = next((weight for hidden, weight in self._deferred if hidden is logits), None)
         tp = self.pg_collection.tp
+        group = tp if tp.size() > 1 else None
         if deferred is None:
             if cross_entropy.selected(self.config):
-                return cross_entropy.language_model_loss(labels, logits, tp if tp.size() > 1 else None)
+                return cross_entropy.language_model_loss(labels, logits, group)
             return super().compute_language_model_loss(labels, logits)
         seq, batch, hidden = logits.shape
         losses = linear_cross_entropy.LinearCrossEntropy.apply(
-            logits.reshape(seq * batch, hidden), deferred, labels.t().reshape(-1), tp if tp.size() > 1 else None,
+            logits.reshape(seq * batch, hidden), deferred, labels.t().reshape(-1), group,
             self.config.linear_cross_entropy_chunk, self.config.final_logit_softcapping, self.loss_chunk_math)
         return losses.view(seq, batch).t().contiguous()  # [s, b] -> [b, s], as megatron-core returns it
 

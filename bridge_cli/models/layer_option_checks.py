@@ -4,14 +4,12 @@ choice of cross entropy; checked before any model is built."""
 
 from __future__ import annotations
 
-import importlib.util
-
 from bridge_cli.config.errors import ConfigError
 
 
 def check_layer_options(model) -> None:
     """Raise ConfigError for an option the model's layer spec or its other settings cannot honour."""
-    from bridge_cli.models.specs import default_spec_name
+    from bridge_cli.models.specs import default_spec_name, transformer_engine_importable
 
     spec = model.spec or default_spec_name()
     for key in ("post_sublayer_norm", "local_rotary_base"):
@@ -39,7 +37,7 @@ def check_layer_options(model) -> None:
         raise ConfigError("model.cross_entropy_fusion_impl", f"{model.cross_entropy_fusion_impl} is a fused "
                           "cross entropy, and model.cross_entropy_loss_fusion=false runs the unfused one.",
                           "Set model.cross_entropy_loss_fusion=true.")
-    if model.cross_entropy_fusion_impl == "te" and importlib.util.find_spec("transformer_engine") is None:
+    if model.cross_entropy_fusion_impl == "te" and not transformer_engine_importable():
         raise ConfigError("model.cross_entropy_fusion_impl", "te is Transformer Engine's kernel, and "
                           "transformer_engine does not import here.",
                           "Set model.cross_entropy_fusion_impl=triton (bridge's, without Transformer Engine) or native.")

@@ -42,7 +42,7 @@ SPEC_NAMES = ("te", "local", "torch")
 
 def default_spec_name() -> str:
     """``te`` where Transformer Engine imports, else ``torch``."""
-    return "te" if _transformer_engine_importable() else "torch"
+    return "te" if transformer_engine_importable() else "torch"
 
 
 def layer_spec(name: str, config: TransformerConfig, vp_stage: Optional[int] = None) -> Union[ModuleSpec, TransformerBlockSubmodules]:
@@ -70,7 +70,7 @@ def layer_spec(name: str, config: TransformerConfig, vp_stage: Optional[int] = N
     if name not in SPEC_NAMES:
         raise ValueError(f"model.spec={name!r} is not a layer spec; choose one of {', '.join(SPEC_NAMES)}.")
     use_te = name == "te"
-    if use_te and not _transformer_engine_importable():
+    if use_te and not transformer_engine_importable():
         raise RuntimeUnavailable(
             "model.spec=te needs Transformer Engine, which does not import here. "
             "Install transformer_engine[pytorch] on a CUDA machine, or set "
@@ -243,7 +243,8 @@ def _check_sequence_parallel(name: str, spec: ModuleSpec, config: TransformerCon
         )
 
 
-def _transformer_engine_importable() -> bool:
+def transformer_engine_importable() -> bool:
+    """Whether transformer_engine imports here (a broken install counts as missing)."""
     try:
         import transformer_engine  # noqa: F401
     except Exception:  # a broken install raises more than ImportError
