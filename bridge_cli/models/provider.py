@@ -37,7 +37,7 @@ class GPTModelProvider(MLATransformerConfig):
     """Which norm to use for normalization layers, valid options are `LayerNorm` and `RMSNorm`."""
 
     gradient_accumulation_fusion: bool = False
-    """Add each weight gradient into the fp32 main_grad inside its GEMM (Apex's kernel, else torch.addmm; grouped experts: a Triton kernel); CUDA only."""
+    """Add each weight gradient into the fp32 main_grad inside its GEMM (Apex's kernel, else torch.addmm; grouped experts: a Triton kernel); with model.sequence_parallel, CUDA only."""
 
     spec: Optional[str] = None
     """Layer spec: te (Transformer Engine), local (megatron-core's own) or torch (SDPA / FlexAttention); None picks te if importable, else torch."""

@@ -16,7 +16,9 @@ CUDA_ONLY: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("model.bf16=true", lambda c: c.model.bf16, "model.bf16=false"),
     ("model.fp16=true", lambda c: c.model.fp16, "model.fp16=false"),
     ("model.fp8", lambda c: c.model.fp8 is not None, "model.fp8=null"),
-    ("model.gradient_accumulation_fusion=true", lambda c: c.model.gradient_accumulation_fusion,
+    # sequence parallelism keeps megatron-core's linear, whose placeholder gradients are CUDA tensors
+    ("model.gradient_accumulation_fusion=true with model.sequence_parallel=true",
+     lambda c: c.model.gradient_accumulation_fusion and c.model.sequence_parallel,
      "model.gradient_accumulation_fusion=false"),
     ("optimizer.use_distributed_optimizer=true", lambda c: c.optimizer.use_distributed_optimizer,
      "optimizer.use_distributed_optimizer=false"),

@@ -243,6 +243,10 @@ def setup(state: GlobalState, checkpointing_context: Optional[dict] = None) -> S
     clock.lap("process groups")
     # megatron-core's DDP and optimizer take only the parameters that require grad: with peft, the adapters
     model = wrap_model(build_model(cfg, runtime), cfg.ddp)
+    if cfg.model.gradient_accumulation_fusion:
+        from bridge_cli.models import wgrad_in_graph
+
+        wgrad_in_graph.install(model)
     clock.lap("model")
     optimizer = build_optimizer(cfg.optimizer, model, runtime)
     configure_grad_sync(model, optimizer, cfg.dist.align_grad_reduce)

@@ -4,6 +4,8 @@ uninterrupted run."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from tests.conftest import bridge
@@ -67,13 +69,17 @@ def test_fused_linear_cross_entropy_with_compiled_layers(default_curve):
 
 def test_gradient_accumulation_fusion_trains_like_the_separate_add(default_curve):
     """Two micro-batches a step: the second GEMM adds into the first's main_grad; the tied output weight
-    takes megatron-core's zeroed-placeholder path."""
+    takes the zeroed placeholder (megatron-core's zero_out_wgrad)."""
     assert curve("model.gradient_accumulation_fusion=true") == pytest.approx(default_curve, rel=1e-2)
 
 
 def test_gradient_accumulation_fusion_with_compiled_layers(default_curve):
-    fused = curve("model.gradient_accumulation_fusion=true", "model.compile_layers=true")
-    assert fused == pytest.approx(default_curve, rel=1e-2)
+    """The linears' main_grad accumulation traces (bridge_cli/models/wgrad_in_graph.py): no layer breaks."""
+    result = bridge("pretrain", *RUN, "model.gradient_accumulation_fusion=true", "model.compile_layers=true",
+                    env={**os.environ, "TORCH_LOGS": "graph_breaks"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert losses(result.stdout) == pytest.approx(default_curve, rel=1e-2)
+    assert "Graph break" not in result.stderr, result.stderr[-3000:]
 
 
 @pytest.mark.parametrize("grad_dtype", ["float32", "bfloat16"])

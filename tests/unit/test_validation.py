@@ -20,8 +20,10 @@ REFUSED = [
     (["mixed_precision=fp16_mixed", "rerun_state_machine.rerun_mode=validate_results", "--device", "cuda"],
      ["rerun_state_machine.check_for_nan_in_loss", "loss scaler's signal", "check_for_nan_in_loss=false"]),
     (["straggler.log_straggler=true", "--device", "cpu"], ["straggler.log_straggler=true needs CUDA"]),
-    (["model.gradient_accumulation_fusion=true", "--device", "cpu"],
-     ["model.gradient_accumulation_fusion=true needs CUDA", "model.gradient_accumulation_fusion=false"]),
+    (["model.gradient_accumulation_fusion=true", "model.tensor_model_parallel_size=2", "model.sequence_parallel=true",
+      "--world-size", "2", "--device", "cpu"],
+     ["model.gradient_accumulation_fusion=true with model.sequence_parallel=true needs CUDA",
+      "model.gradient_accumulation_fusion=false"]),
     (["straggler.straggler_ctrlr_port=0", "--device", "cuda"], ["straggler.straggler_ctrlr_port", "<= 65535"]),
     (["model.num_layers=3", "model.pipeline_model_parallel_size=2", "--world-size", "2"],
      ["model.num_layers", "3 layers do not split evenly into 2 pipeline stages"]),
@@ -54,7 +56,7 @@ def test_device_decides_what_is_refused(cli):
     assert gpu.exit_code == 0, gpu.output
     assert "device: cuda" in gpu.output
     assert_user_error(cli("config", "validate", "recipe=llama1b", "--device", "cpu"),
-                      "model.bf16=true, model.gradient_accumulation_fusion=true, optimizer.use_distributed_optimizer=true need CUDA", "--device cuda")
+                      "model.bf16=true, optimizer.use_distributed_optimizer=true need CUDA", "--device cuda")
     assert_user_error(cli("pretrain", "recipe=tiny", "--device", "cuda"), "--device", "only applies with --dry-run")
 
 

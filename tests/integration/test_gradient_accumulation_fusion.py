@@ -1,0 +1,47 @@
+"""model.gradient_accumulation_fusion through `bridge pretrain` on the CPU (bridge_cli/models/wgrad_in_graph.py): weight
+gradients added into main_grad by the linears' backward train as autograd's, eager and compiled (where no layer breaks
+at a linear any more), in one process with the output layer sharing the embedding, over two tensor-parallel ranks
+and over two data-parallel ranks whose gradient all-reduce overlaps the backward."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.conftest import bridge, torchrun
+from tests.integration.test_pretrain_cpu import losses
+
+RUN = ["recipe=tiny", "train.train_iters=4", "logger.log_interval=1", "train.eval_iters=0", "train.global_batch_size=16"]
+FUSION = ["model.gradient_accumulation_fusion=true"]
+
+
+@pytest.mark.slow
+def test_fused_weight_gradients_train_as_autograds_eager_and_compiled():
+    compiled = ["model.compile_layers=true"]
+    runs = [bridge("pretrain", *RUN, *extra, env={**os.environ, "TORCH_LOGS": "graph_breaks"})
+            for extra in ([], FUSION, FUSION + compiled)]
+    for run in runs:
+        assert run.returncode == 0, run.stderr[-3000:]
+    reference, *fused = (losses(run.stdout) for run in runs)
+    assert len(reference) == 4
+    for curve in fused:
+        assert curve == pytest.approx(reference, rel=1e-5)
+    assert "Graph break" not in runs[2].stderr, runs[2].stderr[-3000:]
+
+
+LAYOUTS = {
+    "tp2": ["model.tensor_model_parallel_size=2", "model.share_embeddings_and_output_weights=false"],
+    # the wrapper's hooks launch each bucket's all-reduce once its gradients are in: the flagged weights count
+    "dp2_overlapped": ["ddp.overlap_grad_reduce=true"],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", LAYOUTS, ids=list(LAYOUTS))
+def test_fused_weight_gradients_over_two_ranks(layout):
+    runs = [torchrun(2, "pretrain", *RUN, *LAYOUTS[layout], *extra) for extra in ([], FUSION)]
+    for run in runs:
+        assert run.returncode == 0, run.stderr[-3000:]
+    reference, fused = (losses(run.stdout) for run in runs)
+    assert len(reference) == 4 and fused == pytest.approx(reference, rel=1e-5)
