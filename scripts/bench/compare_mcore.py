@@ -7,7 +7,9 @@ Runs shared/bench/mcore_baseline.py (a bare megatron-core loop: SDPA core attent
 optimizer, bf16) and `bridge pretrain recipe=llama1b` set to the same shape (the 1.5B proxy:
 16 layers, hidden 2048, GQA 32/8, FFN 8192, vocab 128256, seq 4096, micro-batch 1, global
 batch 8, untied embeddings), then prints tokens/s/GPU, model TFLOP/s/GPU, MFU, peak memory,
-ms/step and the ratio bridge / bare. Each run's first --warmup steps are not timed. Each
+ms/step and the ratio bridge / bare, and each run's launch time: seconds from its launch to its first
+step's log line (imports, set-up, the first step and any compilation in it; a first process imports the
+libraries once so no row pays their cold read from disk). Each run's first --warmup steps are not timed. Each
 ``--variant NAME:OVERRIDE[,OVERRIDE...]`` adds a bridge run with those overrides on top (a lever
 to measure), with its ratio to bare megatron-core.
 
@@ -35,12 +37,14 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 H100_BF16_PEAK_TFLOPS = 989.0
 ITER_LINE = re.compile(r"^iteration\s+(\d+)/\d+ \| .*?elapsed ms/iter ([0-9.]+) .*?TFLOP/s/gpu ([0-9.]+)", re.M)
 PEAK = re.compile(r"memory at the end of training .*peak allocated ([0-9.]+) GiB")
+START_UP = re.compile(r"^start-up .*$", re.M)
 
 PROXY_OVERRIDES = [
     "recipe=llama1b", "model.share_embeddings_and_output_weights=false", "model.spec=torch",
@@ -55,43 +59,72 @@ class RunFailed(RuntimeError):
     """A run exited with an error (an out-of-memory variant, say): the table shows it and goes on."""
 
 
-def run(argv: list[str]) -> tuple[str, float]:
+def run(argv: list[str], first_step: re.Pattern) -> tuple[str, float, float]:
+    """Run ``argv``; returns its stdout, its wall time and the seconds from its launch to the first line of
+    stdout or stderr that matches ``first_step`` (the first training step's log line), read as it is written."""
     start = time.time()
-    result = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    if result.returncode:
-        print(f"{' '.join(argv)} failed:\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}", file=sys.stderr)
-        raise RunFailed((result.stderr.strip() or result.stdout.strip() or "no output").splitlines()[-1][:120])
-    return result.stdout, time.time() - start
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    seen: list[float] = []
+
+    def read(stream, lines: list[str]) -> None:
+        for line in stream:
+            if not seen and first_step.search(line):
+                seen.append(time.time() - start)
+            lines.append(line)
+
+    out, err = [], []
+    readers = [threading.Thread(target=read, args=pair) for pair in ((process.stdout, out), (process.stderr, err))]
+    for reader in readers:
+        reader.start()
+    for reader in readers:
+        reader.join()
+    stdout, stderr = "".join(out), "".join(err)
+    if process.wait():
+        print(f"{' '.join(argv)} failed:\n{stdout[-2000:]}\n{stderr[-2000:]}", file=sys.stderr)
+        raise RunFailed((stderr.strip() or stdout.strip() or "no output").splitlines()[-1][:120])
+    return stdout, time.time() - start, seen[0] if seen else float("nan")
+
+
+def warm_file_cache(titan: bool) -> None:
+    """Import what the runs import once, so that no row pays the first read of the libraries from disk."""
+    modules = "torch, megatron.core.models.gpt, megatron.core.optimizer" + (", torchtitan.train" if titan else "")
+    subprocess.run([sys.executable, "-c", f"import {modules}"], capture_output=True)
 
 
 def bare(baseline: Path, steps: int, warmup: int) -> dict:
-    out, wall = run([sys.executable, str(baseline), "--steps", str(steps), "--warmup", str(warmup)])
+    out, wall, first = run([sys.executable, str(baseline), "--steps", str(steps), "--warmup", str(warmup)],
+                           re.compile(r"^step 0 loss"))
     res = json.loads(out.split("RESULT ", 1)[1].splitlines()[0])
     return {"step_ms": res["step_ms"], "tok_s_gpu": res["tok_s_gpu"], "tflops_gpu": res["tflops_gpu"],
-            "peak_mem_GiB": res["peak_mem_GiB"], "to_first_step_s": res["to_first_step_done_s"], "wall_s": wall}
+            "peak_mem_GiB": res["peak_mem_GiB"], "to_first_step_s": first, "wall_s": wall,
+            "imports_s": res["import_torch_s"] + res["import_mcore_s"]}
 
 
 def titan(script: Path, steps: int, warmup: int, flags: list[str] = ()) -> dict:
     """torchtitan at its best setting measured so far: 4 sequences a micro-batch, 2 micro-batches, compiled;
     ``flags`` go to its trainer."""
-    out, wall = run([sys.executable, str(script), "--local-batch", "4", "--grad-accum", "2", "--compile",
-                     "--steps", str(steps), "--warmup", str(warmup), *(["--", *flags] if flags else [])])
+    out, wall, first = run([sys.executable, str(script), "--local-batch", "4", "--grad-accum", "2", "--compile",
+                            "--steps", str(steps), "--warmup", str(warmup), *(["--", *flags] if flags else [])],
+                           re.compile(r"step:\s+1\s"))
     res = json.loads(out.strip().splitlines()[-1])
     return {"step_ms": res["step_ms_median"], "tok_s_gpu": round(res["tokens_per_s"]),
-            "tflops_gpu": res["tflops_per_s"], "peak_mem_GiB": res["peak_mem_gib"], "wall_s": wall}
+            "tflops_gpu": res["tflops_per_s"], "peak_mem_GiB": res["peak_mem_gib"], "wall_s": wall,
+            "to_first_step_s": first}
 
 
 def bridge(steps: int, warmup: int, extra: list[str]) -> dict:
     total = steps + warmup
-    out, wall = run([sys.executable, "-m", "bridge_cli", "pretrain", *PROXY_OVERRIDES, f"train.train_iters={total}",
-                     *extra])
+    out, wall, first = run([sys.executable, "-m", "bridge_cli", "pretrain", *PROXY_OVERRIDES,
+                            f"train.train_iters={total}", *extra], re.compile(r"^iteration\s+1/"))
     rows = [(int(i), float(ms), float(tf)) for i, ms, tf in ITER_LINE.findall(out) if int(i) > warmup]
     step_ms = statistics.median(ms for _, ms, _ in rows)
     tflops = statistics.median(tf for _, _, tf in rows)
     tokens = 8 * 4096
     peak = PEAK.search(out)
     return {"step_ms": round(step_ms, 1), "tok_s_gpu": round(tokens / step_ms * 1000), "tflops_gpu": round(tflops, 1),
-            "peak_mem_GiB": float(peak.group(1)) if peak else float("nan"), "wall_s": wall}
+            "peak_mem_GiB": float(peak.group(1)) if peak else float("nan"), "wall_s": wall, "to_first_step_s": first,
+            "start_up": START_UP.search(out).group(0) if START_UP.search(out) else None}
 
 
 def document_dataset(folder: Path, documents_per_row: int, rows: int, seq: int = 4096, vocab: int = 128256) -> Path:
@@ -146,7 +179,8 @@ def main() -> None:
             args.steps, args.warmup, data + ["dataset.reset_attention_mask=true", "dataset.reset_position_ids=true"])
 
     header = (f"{'run':<16} {'ms/step':>8} {'tok/s/gpu':>10} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>9} {'wall s':>7} "
-              f"{'tok/s ratio':>11} {'mem ratio':>9}")
+              f"{'1st step s':>10} {'tok/s ratio':>11} {'mem ratio':>9} {'1st ratio':>9}")
+    warm_file_cache(bool(args.titan))
     results: dict[str, dict] = {}
     print(header, flush=True)
     for name, measure in runs.items():  # each row as its run ends, so a cut-off command still reports
@@ -159,7 +193,8 @@ def main() -> None:
     print(f"\n{header}")
     for name, r in results.items():
         print(row(name, r, results["bare mcore"]))
-    print("(ratios: each run / bare megatron-core)")
+    print("(1st step s: from the launch to the first step's log line, compilation included; ratios: each run / bare "
+          "megatron-core)")
     docs = [results.get(f"bridge docs{args.documents} {kind}", {}) for kind in ("causal", "masked")]
     if args.documents and all("tok_s_gpu" in r for r in docs):
         print(f"per-document masked / causal tokens/s with {args.documents} documents per row: "
@@ -172,9 +207,10 @@ def row(name: str, r: dict, bare_run: dict | None) -> str:
         return f"{name:<16} failed: {r['error']}"
     mfu = r["tflops_gpu"] / H100_BF16_PEAK_TFLOPS
     line = (f"{name:<16} {r['step_ms']:>8.1f} {r['tok_s_gpu']:>10,} {r['tflops_gpu']:>8.1f} {mfu:>6.1%} "
-            f"{r['peak_mem_GiB']:>9.1f} {r['wall_s']:>7.1f}")
+            f"{r['peak_mem_GiB']:>9.1f} {r['wall_s']:>7.1f} {r['to_first_step_s']:>10.1f}")
     if bare_run and "tok_s_gpu" in bare_run:
-        line += f" {r['tok_s_gpu'] / bare_run['tok_s_gpu']:>11.3f} {r['peak_mem_GiB'] / bare_run['peak_mem_GiB']:>9.3f}"
+        line += (f" {r['tok_s_gpu'] / bare_run['tok_s_gpu']:>11.3f} {r['peak_mem_GiB'] / bare_run['peak_mem_GiB']:>9.3f}"
+                 f" {r['to_first_step_s'] / bare_run['to_first_step_s']:>9.3f}")
     return line
 
 
