@@ -30,6 +30,9 @@ REFUSED = [
     (["model.ffn_hidden_size=511", "model.tensor_model_parallel_size=2", "--world-size", "2"],
      ["model.ffn_hidden_size", "not divisible by model.tensor_model_parallel_size (2)"]),
     (["scheduler.lr_decay_steps=100"], ["scheduler.lr_decay_steps", "scheduler.lr_decay_iters instead"]),
+    # Megatron-LM's FSDP wrapper is picked from these; bridge always wraps in megatron-core's DDP
+    (["ddp.use_megatron_fsdp=true"], ["ddp.use_megatron_fsdp: configures Megatron FSDP", "use_distributed_optimizer=true"]),
+    (["ddp.fsdp_double_buffer=true"], ["ddp.fsdp_double_buffer: configures Megatron FSDP"]),
     (["mixed_precision=bf16_mixed", "--device", "cpu"], ["model.bf16=true needs CUDA", "mixed_precision=fp32"]),
     (["model.fused_linear_cross_entropy=true", "model.fp16_lm_cross_entropy=true"],
      ["model.fp16_lm_cross_entropy", "model.fused_linear_cross_entropy replaces"]),
