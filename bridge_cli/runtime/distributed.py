@@ -50,6 +50,7 @@ def init_distributed(
     expert_model_parallel_size: int = 1,
     virtual_pipeline_model_parallel_size: int | None = None,
     expert_tensor_parallel_size: int | None = None,
+    pipeline_model_parallel_comm_backend: str | None = None,
 ) -> Runtime:
     """Join the process group and build megatron-core's parallel groups.
 
@@ -97,6 +98,7 @@ def init_distributed(
         expert_model_parallel_size=expert_model_parallel_size,
         expert_tensor_parallel_size=expert_tensor_parallel_size,
         distributed_timeout_minutes=timeout_minutes,
+        pipeline_model_parallel_comm_backend=pipeline_model_parallel_comm_backend,
     )
     return Runtime(
         device=device,

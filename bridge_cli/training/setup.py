@@ -208,6 +208,7 @@ def initialize(state: GlobalState):
         expert_model_parallel_size=m.expert_model_parallel_size,
         expert_tensor_parallel_size=m.expert_tensor_parallel_size,
         virtual_pipeline_model_parallel_size=m.virtual_pipeline_model_parallel_size,
+        pipeline_model_parallel_comm_backend=m.pipeline_model_parallel_comm_backend,
     )
     state.runtime = runtime
     derived = cfg.validate(runtime.world_size, runtime.device.type)

@@ -27,6 +27,7 @@ from bridge_cli.models.wgrad_accumulation import check as check_wgrad_accumulati
 from bridge_cli.config.data_configs import FinetuningDatasetConfig
 from bridge_cli.runtime.ddp import check_wrapper_fields
 from bridge_cli.runtime.device_rules import check_device
+from bridge_cli.runtime.launcher_fields import check_launcher_fields
 from bridge_cli.runtime.mcore_import import megatron_core_version
 from bridge_cli.runtime.output_paths import check_output_folders
 
@@ -98,6 +99,7 @@ def validate_and_derive(cfg, world_size: int, device: str) -> Derived:
     vocab_size = _vocab_size(cfg)
     dp = data_parallel_size(cfg.model, world_size)
     _check_model_shape(cfg.model)
+    check_launcher_fields(cfg.model, device)
     check_moe(cfg.model, world_size)
     global_batch, microbatches = _batches(cfg.train, dp)
     _check_gradient_norm_logging(cfg, dp)

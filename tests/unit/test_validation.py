@@ -33,6 +33,11 @@ REFUSED = [
     # Megatron-LM's FSDP wrapper is picked from these; bridge always wraps in megatron-core's DDP
     (["ddp.use_megatron_fsdp=true"], ["ddp.use_megatron_fsdp: configures Megatron FSDP", "use_distributed_optimizer=true"]),
     (["ddp.fsdp_double_buffer=true"], ["ddp.fsdp_double_buffer: configures Megatron FSDP"]),
+    (["model.tp_comm_overlap=true"], ["model.tp_comm_overlap", "userbuffers, which bridge does not initialize"]),
+    (["model.hierarchical_context_parallel_sizes=[2]"],
+     ["model.hierarchical_context_parallel_sizes", "a2a+p2p context parallelism", "Leave it at its default (None)"]),
+    (["model.pipeline_model_parallel_comm_backend=nccl", "--device", "cpu"],
+     ["model.pipeline_model_parallel_comm_backend", "NCCL needs CUDA"]),
     (["mixed_precision=bf16_mixed", "--device", "cpu"], ["model.bf16=true needs CUDA", "mixed_precision=fp32"]),
     (["model.fused_linear_cross_entropy=true", "model.fp16_lm_cross_entropy=true"],
      ["model.fp16_lm_cross_entropy", "model.fused_linear_cross_entropy replaces"]),
