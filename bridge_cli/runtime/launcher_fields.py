@@ -11,6 +11,9 @@ NOT_SET_UP = {
                        "bridge does not initialize",
     "tp_comm_bootstrap_backend": "bootstraps Transformer Engine's userbuffers, which bridge does not initialize",
     "external_cuda_graph": "is Megatron-LM's training-loop capture of Transformer Engine CUDA graphs",
+    "cuda_graph_impl": "captures CUDA graphs from Megatron-LM's training loop (its create_cudagraphs calls, or Transformer "
+                       "Engine's graphed callables), which bridge does not run; whole-step graphs measured within 1% of "
+                       "eager on gpt2_124m (docs/performance.md)",
     "use_inference_optimized_layers": "selects megatron-core's inference layers; bridge trains",
     "hierarchical_context_parallel_sizes": "sizes the groups of Transformer Engine's a2a+p2p context parallelism; "
                                            "bridge's context parallelism all-gathers keys and values over one group",
