@@ -76,6 +76,8 @@ MODELS = {
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
         vocab_size=512, head_dim=32, num_local_experts=4, num_experts_per_tok=2, sliding_window=8, swiglu_limit=1.0,
         tie_word_embeddings=False), None),
+    # LayerNorm with biases, an ungated tanh-GELU MLP, biases on every linear, tied embeddings
+    "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", dict(vocab_size=512, rope_theta=100000.0), None),
 }
 MOE = ("mixtral", "qwen3_moe", "olmoe", "gpt_oss")
 """The mixture-of-experts families, loaded at EP=2 too (and at TP=2 with their experts split, GPT-OSS's biased

@@ -25,15 +25,16 @@ from bridge_cli.convert.families.phi3 import Phi3
 from bridge_cli.convert.families.qwen2 import Qwen2
 from bridge_cli.convert.families.qwen3 import Qwen3
 from bridge_cli.convert.families.qwen3_moe import Qwen3Moe
+from bridge_cli.convert.families.starcoder2 import Starcoder2
 from bridge_cli.convert.hf_config import unsupported
 
 FAMILIES: dict[str, LlamaLike] = {family.model_type: family
                                   for family in (Llama(), Mistral(), Qwen2(), Qwen3(), Phi3(),
-                                                 Mixtral(), Qwen3Moe(), Olmoe(), Gemma3(), Gemma2(), GptOss())}
+                                                 Mixtral(), Qwen3Moe(), Olmoe(), Gemma3(), Gemma2(), GptOss(), Starcoder2())}
 """model_type -> its family, in the order export tries them."""
 
 INFERRED = ("llama", "qwen2", "qwen3", "phi3",
-            "mixtral", "qwen3_moe", "olmoe", "gemma3_text", "gemma2", "gpt_oss")
+            "mixtral", "qwen3_moe", "olmoe", "gemma3_text", "gemma2", "gpt_oss", "starcoder2")
 """The families export picks without --model-type."""
 
 
@@ -84,7 +85,8 @@ def for_export(model: Mapping[str, Any], model_type: Optional[str], where: Path)
     closest = min((FAMILIES[name] for name in INFERRED), key=lambda family: len(family.differences(model)))
     raise CheckpointError(
         f"{where}: export-hf writes Llama-style models ({supported()}: RMSNorm, SwiGLU, RoPE, no linear biases "
-        f"except Qwen2's on q/k/v and GPT-OSS's), and this checkpoint's model has "
+        f"except Qwen2's on q/k/v, GPT-OSS's and StarCoder2's, whose LayerNorm GELU layers have them all), and this "
+        f"checkpoint's model has "
         f"{', '.join(closest.differences(model))} (differences from the closest family, {closest.model_type}).")
 
 
