@@ -76,6 +76,8 @@ MODELS = {
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
         vocab_size=512, head_dim=32, num_local_experts=4, num_experts_per_tok=2, sliding_window=8, swiglu_limit=1.0,
         tie_word_embeddings=False), None),
+    # 1 + w RMSNorms, scaled embeddings, tanh-GELU gated MLP, head_dim (32) other than hidden/heads (16), tied
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(vocab_size=640, head_dim=32), None),
     # LayerNorm with biases, an ungated tanh-GELU MLP, biases on every linear, tied embeddings
     "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", dict(vocab_size=512, rope_theta=100000.0), None),
 }

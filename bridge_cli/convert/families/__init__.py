@@ -13,6 +13,7 @@ from typing import Any, Mapping, Optional
 
 from bridge_cli.checkpoint.errors import CheckpointError
 from bridge_cli.config.errors import ConfigError
+from bridge_cli.convert.families.gemma import Gemma
 from bridge_cli.convert.families.gemma2 import Gemma2
 from bridge_cli.convert.families.gemma3 import Gemma3
 from bridge_cli.convert.families.gpt_oss import GptOss
@@ -30,11 +31,11 @@ from bridge_cli.convert.hf_config import unsupported
 
 FAMILIES: dict[str, LlamaLike] = {family.model_type: family
                                   for family in (Llama(), Mistral(), Qwen2(), Qwen3(), Phi3(),
-                                                 Mixtral(), Qwen3Moe(), Olmoe(), Gemma3(), Gemma2(), GptOss(), Starcoder2())}
+                                                 Mixtral(), Qwen3Moe(), Olmoe(), Gemma3(), Gemma2(), GptOss(), Gemma(), Starcoder2())}
 """model_type -> its family, in the order export tries them."""
 
 INFERRED = ("llama", "qwen2", "qwen3", "phi3",
-            "mixtral", "qwen3_moe", "olmoe", "gemma3_text", "gemma2", "gpt_oss", "starcoder2")
+            "mixtral", "qwen3_moe", "olmoe", "gemma3_text", "gemma2", "gpt_oss", "gemma", "starcoder2")
 """The families export picks without --model-type."""
 
 

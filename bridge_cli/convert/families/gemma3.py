@@ -28,6 +28,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
+from bridge_cli.convert.families.gemma import refuse_gemma_options
 from bridge_cli.convert.families.llama_like import LLAMA_STYLE, LlamaLike
 from bridge_cli.convert.families.windows import layer_types, window_config, window_fields
 from bridge_cli.convert.hf_config import unsupported
@@ -92,10 +93,7 @@ class Gemma3(LlamaLike):
                 "rope_scaling": False, "rope_scaling_factor": 8.0}
 
     def check(self, hf: Mapping[str, Any], where: Path) -> None:
-        if hf.get("use_bidirectional_attention"):
-            unsupported(where, "use_bidirectional_attention: bridge trains causal language models")
-        if hf.get("attention_bias"):
-            unsupported(where, "attention_bias: a bias on o_proj needs biases on every linear layer in megatron-core")
+        refuse_gemma_options(hf, where)
 
     # model fields -> config.json
 
