@@ -1,5 +1,5 @@
 """Config rules of the Gemma-style model options that the ``local``/``torch`` specs add (models/specs.py):
-``layernorm_zero_centered_gamma``, ``post_sublayer_norm``, ``local_rotary_base`` and the soft caps, and the
+``layernorm_zero_centered_gamma``, ``post_sublayer_norm``, ``pre_sublayer_norm``, ``local_rotary_base`` and the soft caps, and the
 choice of cross entropy; checked before any model is built."""
 
 from __future__ import annotations
@@ -12,6 +12,10 @@ def check_layer_options(model) -> None:
     from bridge_cli.models.specs import default_spec_name, transformer_engine_importable
 
     spec = model.spec or default_spec_name()
+    if not model.pre_sublayer_norm and spec == "te":
+        raise ConfigError("model.pre_sublayer_norm", "false is built into the local and torch layer specs only "
+                          "(Transformer Engine fuses the input norms into the linears), and model.spec=te.",
+                          "Set model.spec=torch.")
     for key in ("post_sublayer_norm", "local_rotary_base"):
         if getattr(model, key) not in (None, False) and spec == "te":
             raise ConfigError(f"model.{key}", "is built into the local and torch layer specs only, and model.spec=te.",

@@ -96,6 +96,9 @@ class GPTModelProvider(MLATransformerConfig):
     post_sublayer_norm: bool = False
     """Normalise the attention and MLP outputs before they join the residual (Gemma 2/3's post-attention and post-feedforward norms)."""
 
+    pre_sublayer_norm: bool = True
+    """Normalise the attention and MLP inputs (every Llama-style model); false: no norm there (OLMo 2, whose layers normalise only the outputs, with post_sublayer_norm)."""
+
     scale_embeddings: bool = False
     """Multiply the input embeddings by sqrt(hidden_size), rounded to their dtype (Gemma)."""
 

@@ -23,7 +23,8 @@
 for RMSNorm), which do not support sequence parallelism. On those two specs, the model options of
 Gemma-style layers swap modules in (:mod:`bridge_cli.models.norms`, :mod:`bridge_cli.models.local_rope`):
 ``layernorm_zero_centered_gamma`` (RMSNorm with ``1 + w``), ``post_sublayer_norm`` (a norm on the
-attention and MLP outputs) and ``local_rotary_base`` (the sliding-window layers' own RoPE base).
+attention and MLP outputs), ``pre_sublayer_norm=false`` (none on their inputs: OLMo 2) and
+``local_rotary_base`` (the sliding-window layers' own RoPE base).
 """
 
 from __future__ import annotations
@@ -175,6 +176,7 @@ def _replace_norms(block: TransformerBlockSubmodules, layers: list, old: tuple, 
 def _use_layer_options(spec, layers: list, config: TransformerConfig, vp_stage: Optional[int]):
     """The ``local``/``torch`` spec with the Gemma-style model options (see the module's doc); returns the
     spec, a block spec when zero-centred norms need the final norm swapped too."""
+    from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
@@ -190,6 +192,8 @@ def _use_layer_options(spec, layers: list, config: TransformerConfig, vp_stage: 
         if getattr(config, "post_sublayer_norm", False):
             post_norm = ModuleSpec(module=PostNormBiasDropoutAdd, params={"config": config})
             layer.submodules.self_attn_bda = layer.submodules.mlp_bda = post_norm
+        if not getattr(config, "pre_sublayer_norm", True):
+            layer.submodules.input_layernorm = layer.submodules.pre_mlp_layernorm = IdentityOp
     if config.layernorm_zero_centered_gamma:
         if isinstance(spec, ModuleSpec):  # one dense layer spec: megatron-core would add a WrappedTorchNorm
             spec = TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config, vp_stage),

@@ -80,6 +80,8 @@ MODELS = {
     "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(vocab_size=640, head_dim=32), None),
     # LayerNorm with biases, an ungated tanh-GELU MLP, biases on every linear, tied embeddings
     "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", dict(vocab_size=512, rope_theta=100000.0), None),
+    # norms after the attention and the MLP only, q/k RMSNorm over the whole projection, untied
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(vocab_size=512, rope_theta=500000.0), None),
 }
 MOE = ("mixtral", "qwen3_moe", "olmoe", "gpt_oss")
 """The mixture-of-experts families, loaded at EP=2 too (and at TP=2 with their experts split, GPT-OSS's biased

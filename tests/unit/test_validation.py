@@ -34,6 +34,8 @@ REFUSED = [
     (["ddp.use_megatron_fsdp=true"], ["ddp.use_megatron_fsdp: configures Megatron FSDP", "use_distributed_optimizer=true"]),
     (["ddp.fsdp_double_buffer=true"], ["ddp.fsdp_double_buffer: configures Megatron FSDP"]),
     (["model.tp_comm_overlap=true"], ["model.tp_comm_overlap", "userbuffers, which bridge does not initialize"]),
+    (["model.pre_sublayer_norm=false", "model.spec=te", "--device", "cuda"],
+     ["model.pre_sublayer_norm", "local and torch layer specs only", "model.spec=torch"]),
     (["model.cuda_graph_impl=local"], ["model.cuda_graph_impl", "Megatron-LM's training loop", "default ('none')"]),
     (["model.hierarchical_context_parallel_sizes=[2]"],
      ["model.hierarchical_context_parallel_sizes", "a2a+p2p context parallelism", "Leave it at its default (None)"]),

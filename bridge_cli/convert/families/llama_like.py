@@ -20,7 +20,8 @@ LLAMA_STYLE = {
     "seq_len_interpolation_factor": None, "qk_layernorm": False, "qk_layernorm_across_heads": False,
     "num_moe_experts": None,
     "multi_latent_attention": False, "layernorm_zero_centered_gamma": False,
-    "apply_residual_connection_post_layernorm": False, "post_sublayer_norm": False, "scale_embeddings": False,
+    "apply_residual_connection_post_layernorm": False, "post_sublayer_norm": False, "pre_sublayer_norm": True,
+    "scale_embeddings": False,
     "local_rotary_base": None, "softmax_scale": None, "softmax_type": "vanilla", "window_size": None,
     "attn_logit_softcapping": None, "final_logit_softcapping": None,
 }
@@ -200,3 +201,13 @@ def full_attention_only(hf: Mapping[str, Any], where: Path) -> None:
     """Refuse Qwen's sliding-window layers, which megatron-core's layers here do not compute."""
     if hf.get("use_sliding_window") or any(kind != "full_attention" for kind in hf.get("layer_types") or []):
         unsupported(where, "sliding-window layers (use_sliding_window / layer_types)")
+
+
+def across_heads_qk_norms(pairs: list[Pair], arch: Architecture, m: str, p: str) -> list[Pair]:
+    """``pairs`` of one layer's attention with its per-head q/k norms swapped for norms over each token's whole
+    query and key projections (OLMoE, OLMo 2: megatron-core's ``qk_layernorm_across_heads``)."""
+    q_rows, kv_rows, _ = arch.qkv_rows
+    per_head = ("q_layernorm.weight", "k_layernorm.weight")
+    return [pair for pair in pairs if not pair.mcore.endswith(per_head)] + [
+        Pair(m + "q_layernorm.weight", ((p + "q_norm.weight", (q_rows,)),)),
+        Pair(m + "k_layernorm.weight", ((p + "k_norm.weight", (kv_rows,)),))]

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from bridge_cli.convert import hf_config
-from bridge_cli.convert.families.llama_like import LlamaLike
+from bridge_cli.convert.families.llama_like import LlamaLike, across_heads_qk_norms
 from bridge_cli.convert.families.moe import MoELike, moe_fixed
 from bridge_cli.convert.hf_config import unsupported
 from bridge_cli.convert.hf_weights import Architecture, Pair
@@ -42,9 +42,4 @@ class Olmoe(MoELike, LlamaLike):
                 "norm_topk_prob": not model["moe_router_pre_softmax"], "clip_qkv": None}
 
     def attention_pairs(self, arch: Architecture, m: str, p: str) -> list[Pair]:
-        # the norms' weights cover the whole projections, not one head
-        q_rows, kv_rows, _ = arch.qkv_rows
-        per_head = ("q_layernorm.weight", "k_layernorm.weight")
-        return [pair for pair in super().attention_pairs(arch, m, p) if not pair.mcore.endswith(per_head)] + [
-            Pair(m + "q_layernorm.weight", ((p + "q_norm.weight", (q_rows,)),)),
-            Pair(m + "k_layernorm.weight", ((p + "k_norm.weight", (kv_rows,)),))]
+        return across_heads_qk_norms(super().attention_pairs(arch, m, p), arch, m, p)

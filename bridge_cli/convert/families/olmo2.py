@@ -1,0 +1,42 @@
+"""``olmo2``: OLMo 2 (Olmo2ForCausalLM), Llama's layout with its norms after each sublayer instead of before,
+and an RMSNorm over each token's whole query and key projections (as OLMoE's)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+from bridge_cli.convert.families.llama_like import LlamaLike, across_heads_qk_norms
+from bridge_cli.convert.hf_weights import Architecture, Pair
+
+
+class Olmo2(LlamaLike):
+    """OLMo 2 7B, 13B, 32B (and OLMo 2 1B). ``post_attention_layernorm``/``post_feedforward_layernorm`` normalise
+    the attention and MLP outputs before they join the residual (``post_sublayer_norm``), and nothing normalises
+    their inputs (``pre_sublayer_norm: false``); ``q_norm``/``k_norm`` cover all heads of a projection
+    (``qk_layernorm_across_heads``, :mod:`bridge_cli.models.projection_norm`)."""
+
+    model_type = "olmo2"
+    architecture = "Olmo2ForCausalLM"
+    models = "OLMo 2 1B, 7B, 13B, 32B; norms after each sublayer, q/k RMSNorm over the whole projection"
+    limits = ("refuses attention_bias and RoPE scalings other than llama3; needs the torch or local spec; tensor "
+              "parallelism needs num_key_value_heads to be a multiple of the TP size")
+    fixed = {**LlamaLike.fixed, "qk_layernorm": True, "qk_layernorm_across_heads": True, "post_sublayer_norm": True,
+             "pre_sublayer_norm": False}
+
+    def model_fields(self, hf: Mapping[str, Any], where: Path, seq_length: Optional[int] = None) -> dict[str, Any]:
+        return {**super().model_fields(hf, where, seq_length), "qk_layernorm": True,
+                "qk_layernorm_across_heads": True, "post_sublayer_norm": True, "pre_sublayer_norm": False}
+
+    def hf_extras(self, model: Mapping[str, Any]) -> dict[str, Any]:
+        return {"attention_bias": False}
+
+    def layer_pairs(self, arch: Architecture, layer: int, m: str, p: str) -> list[Pair]:
+        h = arch.hidden_size
+        return [*self.attention_pairs(arch, m + "self_attention.", p + "self_attn."),
+                Pair(m + "self_attn_bda.norm.weight", ((p + "post_attention_layernorm.weight", (h,)),)),
+                *self.mlp_pairs(arch, m + "mlp.", p + "mlp."),
+                Pair(m + "mlp_bda.norm.weight", ((p + "post_feedforward_layernorm.weight", (h,)),))]
+
+    def attention_pairs(self, arch: Architecture, m: str, p: str) -> list[Pair]:
+        return across_heads_qk_norms(super().attention_pairs(arch, m, p), arch, m, p)
