@@ -82,8 +82,12 @@ MODELS = {
     "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", dict(vocab_size=512, rope_theta=100000.0), None),
     # norms after the attention and the MLP only, q/k RMSNorm over the whole projection, untied
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(vocab_size=512, rope_theta=500000.0), None),
+    # q/k/v biases, a gated shared expert in each MoE layer, a dense first layer, top-2 not renormalised
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
+        vocab_size=512, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+        shared_expert_intermediate_size=96, norm_topk_prob=False, mlp_only_layers=[0], tie_word_embeddings=False), None),
 }
-MOE = ("mixtral", "qwen3_moe", "olmoe", "gpt_oss")
+MOE = ("mixtral", "qwen3_moe", "olmoe", "gpt_oss", "qwen2_moe")
 """The mixture-of-experts families, loaded at EP=2 too (and at TP=2 with their experts split, GPT-OSS's biased
 ones excepted: megatron-core computes those at expert TP 1)."""
 EXPORT_ARGS = {"mistral": ["--model-type", "mistral"]}

@@ -25,6 +25,7 @@ from bridge_cli.convert.families.olmo2 import Olmo2
 from bridge_cli.convert.families.olmoe import Olmoe
 from bridge_cli.convert.families.phi3 import Phi3
 from bridge_cli.convert.families.qwen2 import Qwen2
+from bridge_cli.convert.families.qwen2_moe import Qwen2Moe
 from bridge_cli.convert.families.qwen3 import Qwen3
 from bridge_cli.convert.families.qwen3_moe import Qwen3Moe
 from bridge_cli.convert.families.starcoder2 import Starcoder2
@@ -32,11 +33,11 @@ from bridge_cli.convert.hf_config import unsupported
 
 FAMILIES: dict[str, LlamaLike] = {family.model_type: family
                                   for family in (Llama(), Mistral(), Qwen2(), Qwen3(), Phi3(),
-                                                 Mixtral(), Qwen3Moe(), Olmoe(), Gemma3(), Gemma2(), GptOss(), Gemma(), Starcoder2(), Olmo2())}
+                                                 Mixtral(), Qwen3Moe(), Olmoe(), Gemma3(), Gemma2(), GptOss(), Gemma(), Starcoder2(), Olmo2(), Qwen2Moe())}
 """model_type -> its family, in the order export tries them."""
 
 INFERRED = ("llama", "qwen2", "qwen3", "phi3",
-            "mixtral", "qwen3_moe", "olmoe", "gemma3_text", "gemma2", "gpt_oss", "gemma", "starcoder2", "olmo2")
+            "mixtral", "qwen3_moe", "olmoe", "gemma3_text", "gemma2", "gpt_oss", "gemma", "starcoder2", "olmo2", "qwen2_moe")
 """The families export picks without --model-type."""
 
 

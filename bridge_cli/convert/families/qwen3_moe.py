@@ -26,17 +26,26 @@ class Qwen3Moe(MoELike, Qwen3):
     fixed = moe_fixed(Qwen3.fixed)
 
     def moe_layers(self, hf: Mapping[str, Any], where: Path, num_layers: int) -> list[bool]:
-        step, dense = hf.get("decoder_sparse_step", 1), hf.get("mlp_only_layers") or []
-        if not isinstance(step, int) or step < 1:
-            unsupported(where, f"decoder_sparse_step {step!r}: a positive integer is needed")
-        pattern = [i not in dense and (i + 1) % step == 0 for i in range(num_layers)]
-        if not any(pattern):
-            unsupported(where, "no MoE layer (mlp_only_layers / decoder_sparse_step)", "Convert it as qwen3.")
-        return pattern
+        return qwen_moe_layers(hf, where, num_layers, "qwen3")
 
     def hf_extras(self, model: Mapping[str, Any]) -> dict[str, Any]:
-        pattern = moe_layer_pattern(model["moe_layer_freq"], model["num_layers"])
-        return {**super().hf_extras(model), **self.moe_config(model),
-                "moe_intermediate_size": model["moe_ffn_hidden_size"],
-                "norm_topk_prob": not model["moe_router_pre_softmax"], "decoder_sparse_step": 1,
-                "mlp_only_layers": [i for i, moe in enumerate(pattern) if not moe]}
+        return {**super().hf_extras(model), **self.moe_config(model), **qwen_moe_config(model)}
+
+
+def qwen_moe_layers(hf: Mapping[str, Any], where: Path, num_layers: int, dense_family: str) -> list[bool]:
+    """Per layer, whether a Qwen MoE model's layer is an MoE layer: not in ``mlp_only_layers``, and ``i + 1`` a
+    multiple of ``decoder_sparse_step``."""
+    step, dense = hf.get("decoder_sparse_step", 1), hf.get("mlp_only_layers") or []
+    if not isinstance(step, int) or step < 1:
+        unsupported(where, f"decoder_sparse_step {step!r}: a positive integer is needed")
+    pattern = [i not in dense and (i + 1) % step == 0 for i in range(num_layers)]
+    if not any(pattern):
+        unsupported(where, "no MoE layer (mlp_only_layers / decoder_sparse_step)", f"Convert it as {dense_family}.")
+    return pattern
+
+
+def qwen_moe_config(model: Mapping[str, Any]) -> dict[str, Any]:
+    """config.json's keys of a Qwen MoE model's experts and layer pattern."""
+    pattern = moe_layer_pattern(model["moe_layer_freq"], model["num_layers"])
+    return {"moe_intermediate_size": model["moe_ffn_hidden_size"], "norm_topk_prob": not model["moe_router_pre_softmax"],
+            "decoder_sparse_step": 1, "mlp_only_layers": [i for i, moe in enumerate(pattern) if not moe]}
