@@ -213,10 +213,11 @@ def test_import_writes_a_checkpoint_and_recipe_in_the_project_layout(imported):
         model = recipe["model"]
         assert model["vocab_size"] % model["make_vocab_size_divisible_by"] == 0  # no padding rows at TP=1
         assert recipe["checkpoint"]["pretrained_checkpoint"] == str(folder.resolve())
-        assert model["add_qkv_bias"] == (name in ("qwen2", "gpt_oss"))
-        assert model["share_embeddings_and_output_weights"] == (name in ("qwen2", "gemma3_text", "gemma2"))
+        assert model["add_qkv_bias"] == (name in ("qwen2", "gpt_oss", "starcoder2", "qwen2_moe"))
+        assert model["share_embeddings_and_output_weights"] == (name in ("qwen2", "gemma3_text", "gemma2", "gemma",
+                                                                         "starcoder2"))
         assert model["rope_scaling"] == (name == "llama")
-        assert model["qk_layernorm"] == (name in ("qwen3", "qwen3_moe", "olmoe", "gemma3_text"))
+        assert model["qk_layernorm"] == (name in ("qwen3", "qwen3_moe", "olmoe", "gemma3_text", "olmo2"))
         assert model.get("num_moe_experts") == (4 if name in MOE else None)
         assert model["rotary_percent"] == (0.5 if name == "phi3" else 1.0)
         assert model["seq_length"] == (64 if name == "phi3" else 128)  # capped at phi3's sliding window
@@ -228,6 +229,16 @@ def test_import_writes_a_checkpoint_and_recipe_in_the_project_layout(imported):
     gemma2 = yaml.safe_load((imported["gemma2"] / "recipe.yaml").read_text())["model"]
     assert (gemma2["attn_logit_softcapping"], gemma2["final_logit_softcapping"]) == (0.05, 3.0)
     assert (gemma2["local_rotary_base"], gemma2["window_attn_skip_freq"]) == (None, [1, 0])
+    starcoder2 = yaml.safe_load((imported["starcoder2"] / "recipe.yaml").read_text())["model"]
+    assert (starcoder2["normalization"], starcoder2["add_bias_linear"], starcoder2["gated_linear_unit"],
+            starcoder2["activation_func"], starcoder2["bias_activation_fusion"]) == ("LayerNorm", True, False,
+                                                                                     "fast_gelu", False)
+    olmo2 = yaml.safe_load((imported["olmo2"] / "recipe.yaml").read_text())["model"]
+    assert (olmo2["pre_sublayer_norm"], olmo2["post_sublayer_norm"], olmo2["qk_layernorm_across_heads"]) == (
+        False, True, True)
+    qwen2_moe = yaml.safe_load((imported["qwen2_moe"] / "recipe.yaml").read_text())["model"]
+    assert (qwen2_moe["moe_shared_expert_intermediate_size"], qwen2_moe["moe_shared_expert_gate"],
+            qwen2_moe["moe_layer_freq"]) == (96, True, [0, 1])
     gpt_oss = yaml.safe_load((imported["gpt_oss"] / "recipe.yaml").read_text())["model"]
     assert (gpt_oss["position_embedding_type"], gpt_oss["yarn_rotary_scaling_factor"],
             gpt_oss["yarn_correction_range_round_to_int"]) == ("yarn", 32.0, False)
