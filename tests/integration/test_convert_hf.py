@@ -86,6 +86,9 @@ MODELS = {
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
         vocab_size=512, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
         shared_expert_intermediate_size=96, norm_topk_prob=False, mlp_only_layers=[0], tie_word_embeddings=False), None),
+    # norms before and after each sublayer, q/k/v biases, fused gate_up_proj, interleaved RoPE on half of each head
+    "glm4": ("Glm4Config", "Glm4ForCausalLM", dict(vocab_size=512, head_dim=16, partial_rotary_factor=0.5,
+                                                   eos_token_id=2, pad_token_id=None), None),
 }
 MOE = ("mixtral", "qwen3_moe", "olmoe", "gpt_oss", "qwen2_moe")
 """The mixture-of-experts families, loaded at EP=2 too (and at TP=2 with their experts split, GPT-OSS's biased
@@ -213,13 +216,14 @@ def test_import_writes_a_checkpoint_and_recipe_in_the_project_layout(imported):
         model = recipe["model"]
         assert model["vocab_size"] % model["make_vocab_size_divisible_by"] == 0  # no padding rows at TP=1
         assert recipe["checkpoint"]["pretrained_checkpoint"] == str(folder.resolve())
-        assert model["add_qkv_bias"] == (name in ("qwen2", "gpt_oss", "starcoder2", "qwen2_moe"))
+        assert model["add_qkv_bias"] == (name in ("qwen2", "gpt_oss", "starcoder2", "qwen2_moe", "glm4"))
         assert model["share_embeddings_and_output_weights"] == (name in ("qwen2", "gemma3_text", "gemma2", "gemma",
                                                                          "starcoder2"))
         assert model["rope_scaling"] == (name == "llama")
         assert model["qk_layernorm"] == (name in ("qwen3", "qwen3_moe", "olmoe", "gemma3_text", "olmo2"))
         assert model.get("num_moe_experts") == (4 if name in MOE else None)
-        assert model["rotary_percent"] == (0.5 if name == "phi3" else 1.0)
+        assert model["rotary_percent"] == (0.5 if name in ("phi3", "glm4") else 1.0)
+        assert model.get("rotary_interleaved", False) == (name == "glm4")
         assert model["seq_length"] == (64 if name == "phi3" else 128)  # capped at phi3's sliding window
     gemma = yaml.safe_load((imported["gemma3_text"] / "recipe.yaml").read_text())["model"]
     assert (gemma["window_size"], gemma["window_attn_skip_freq"]) == ([7, 0], [1, 0])

@@ -16,6 +16,7 @@ from bridge_cli.config.errors import ConfigError
 from bridge_cli.convert.families.gemma import Gemma
 from bridge_cli.convert.families.gemma2 import Gemma2
 from bridge_cli.convert.families.gemma3 import Gemma3
+from bridge_cli.convert.families.glm4 import Glm4
 from bridge_cli.convert.families.gpt_oss import GptOss
 from bridge_cli.convert.families.llama import Llama
 from bridge_cli.convert.families.llama_like import LlamaLike
@@ -33,11 +34,11 @@ from bridge_cli.convert.hf_config import unsupported
 
 FAMILIES: dict[str, LlamaLike] = {family.model_type: family
                                   for family in (Llama(), Mistral(), Qwen2(), Qwen3(), Phi3(),
-                                                 Mixtral(), Qwen3Moe(), Olmoe(), Gemma3(), Gemma2(), GptOss(), Gemma(), Starcoder2(), Olmo2(), Qwen2Moe())}
+                                                 Mixtral(), Qwen3Moe(), Olmoe(), Gemma3(), Gemma2(), GptOss(), Gemma(), Starcoder2(), Olmo2(), Qwen2Moe(), Glm4())}
 """model_type -> its family, in the order export tries them."""
 
 INFERRED = ("llama", "qwen2", "qwen3", "phi3",
-            "mixtral", "qwen3_moe", "olmoe", "gemma3_text", "gemma2", "gpt_oss", "gemma", "starcoder2", "olmo2", "qwen2_moe")
+            "mixtral", "qwen3_moe", "olmoe", "gemma3_text", "gemma2", "gpt_oss", "gemma", "starcoder2", "olmo2", "qwen2_moe", "glm4")
 """The families export picks without --model-type."""
 
 

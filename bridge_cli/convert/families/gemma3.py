@@ -32,7 +32,6 @@ from bridge_cli.convert.families.gemma import refuse_gemma_options
 from bridge_cli.convert.families.llama_like import LLAMA_STYLE, LlamaLike
 from bridge_cli.convert.families.windows import layer_types, window_config, window_fields
 from bridge_cli.convert.hf_config import unsupported
-from bridge_cli.convert.hf_weights import Architecture, Pair
 
 ACTIVATION = "gelu_pytorch_tanh"
 """The GELU Gemma 3 uses: its tanh approximation, which megatron-core's fast_gelu computes."""
@@ -51,6 +50,8 @@ class Gemma3(LlamaLike):
                                "attn_logit_softcapping", "final_logit_softcapping")},
              "activation_func": "fast_gelu", "qk_layernorm": True, "layernorm_zero_centered_gamma": True,
              "post_sublayer_norm": True, "scale_embeddings": True, "add_qkv_bias": False, "rope_scaling": False}
+    pre_norms = ("input_layernorm", "pre_feedforward_layernorm")
+    post_norms = ("post_attention_layernorm", "post_feedforward_layernorm")
 
     softcap_defaults = {"attn_logit_softcapping": None, "final_logit_softcapping": None}
     """Each soft cap where config.json leaves it out: transformers' default for the family."""
@@ -117,17 +118,6 @@ class Gemma3(LlamaLike):
             "attn_logit_softcapping": model["attn_logit_softcapping"],
             "final_logit_softcapping": model["final_logit_softcapping"],
         }
-
-    # tensors
-
-    def layer_pairs(self, arch: Architecture, layer: int, m: str, p: str) -> list[Pair]:
-        h = arch.hidden_size
-        return [Pair(m + "input_layernorm.weight", ((p + "input_layernorm.weight", (h,)),)),
-                *self.attention_pairs(arch, m + "self_attention.", p + "self_attn."),
-                Pair(m + "self_attn_bda.norm.weight", ((p + "post_attention_layernorm.weight", (h,)),)),
-                Pair(m + "pre_mlp_layernorm.weight", ((p + "pre_feedforward_layernorm.weight", (h,)),)),
-                *self.mlp_pairs(arch, m + "mlp.", p + "mlp."),
-                Pair(m + "mlp_bda.norm.weight", ((p + "post_feedforward_layernorm.weight", (h,)),))]
 
 
 def _rope_parameters(hf: Mapping[str, Any]) -> tuple[dict, dict]:

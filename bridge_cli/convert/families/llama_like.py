@@ -43,6 +43,10 @@ class LlamaLike:
     """Why this family's other RoPE scalings cannot be expressed (starts the refusal's hint)."""
     fixed = {**LLAMA_STYLE, "add_qkv_bias": False}
     """The model fields this family fixes; export refuses a checkpoint whose model differs."""
+    pre_norms: Optional[tuple[str, str]] = ("input_layernorm", "post_attention_layernorm")
+    """Hugging Face's names of a layer's norms before the attention and before the MLP (None: it has none)."""
+    post_norms: Optional[tuple[str, str]] = None
+    """Its names of the norms after the attention and after the MLP (``post_sublayer_norm``; None: none)."""
 
     # config.json -> model fields
 
@@ -165,11 +169,16 @@ class LlamaLike:
 
     def layer_pairs(self, arch: Architecture, layer: int, m: str, p: str) -> list[Pair]:
         """Decoder layer ``layer``: megatron-core names under ``m``, Hugging Face's under ``p``."""
-        h = arch.hidden_size
-        return [Pair(m + "input_layernorm.weight", ((p + "input_layernorm.weight", (h,)),)),
+        def norm(mcore: str, hf: str) -> list[Pair]:
+            return [Pair(f"{m}{mcore}.weight", ((f"{p}{hf}.weight", (arch.hidden_size,)),))]
+
+        pre, post = self.pre_norms, self.post_norms
+        return [*(norm("input_layernorm", pre[0]) if pre else []),
                 *self.attention_pairs(arch, m + "self_attention.", p + "self_attn."),
-                Pair(m + "pre_mlp_layernorm.weight", ((p + "post_attention_layernorm.weight", (h,)),)),
-                *self.feed_forward_pairs(arch, layer, m + "mlp.", p + "mlp.")]
+                *(norm("self_attn_bda.norm", post[0]) if post else []),
+                *(norm("pre_mlp_layernorm", pre[1]) if pre else []),
+                *self.feed_forward_pairs(arch, layer, m + "mlp.", p + "mlp."),
+                *(norm("mlp_bda.norm", post[1]) if post else [])]
 
     def attention_pairs(self, arch: Architecture, m: str, p: str) -> list[Pair]:
         """One layer's attention: megatron-core names under ``m``, Hugging Face's under ``p``."""

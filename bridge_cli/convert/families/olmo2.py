@@ -23,6 +23,8 @@ class Olmo2(LlamaLike):
               "parallelism needs num_key_value_heads to be a multiple of the TP size")
     fixed = {**LlamaLike.fixed, "qk_layernorm": True, "qk_layernorm_across_heads": True, "post_sublayer_norm": True,
              "pre_sublayer_norm": False}
+    pre_norms = None
+    post_norms = ("post_attention_layernorm", "post_feedforward_layernorm")
 
     def model_fields(self, hf: Mapping[str, Any], where: Path, seq_length: Optional[int] = None) -> dict[str, Any]:
         return {**super().model_fields(hf, where, seq_length), "qk_layernorm": True,
@@ -30,13 +32,6 @@ class Olmo2(LlamaLike):
 
     def hf_extras(self, model: Mapping[str, Any]) -> dict[str, Any]:
         return {"attention_bias": False}
-
-    def layer_pairs(self, arch: Architecture, layer: int, m: str, p: str) -> list[Pair]:
-        h = arch.hidden_size
-        return [*self.attention_pairs(arch, m + "self_attention.", p + "self_attn."),
-                Pair(m + "self_attn_bda.norm.weight", ((p + "post_attention_layernorm.weight", (h,)),)),
-                *self.mlp_pairs(arch, m + "mlp.", p + "mlp."),
-                Pair(m + "mlp_bda.norm.weight", ((p + "post_feedforward_layernorm.weight", (h,)),))]
 
     def attention_pairs(self, arch: Architecture, m: str, p: str) -> list[Pair]:
         return across_heads_qk_norms(super().attention_pairs(arch, m, p), arch, m, p)
