@@ -88,14 +88,13 @@ def _forward_impl(layer, megatron_impl, input, weight, bias, gradient_accumulati
                                      getattr(weight, "zero_out_wgrad", False), group)
 
 
-def install(ddp_chunks: list) -> int:
+def install(ddp_chunks: list) -> None:
     """Route the parallel linears of these DDP-wrapped chunks through :class:`_LinearIntoMainGrad` and flag
-    their weights for the wrapper once; returns how many linears. Call after the DDP wrap, before training.
+    their weights for the wrapper once. Call after the DDP wrap, before training.
 
     Layers that replace megatron-core's ``_forward_impl`` (bridge's FP8 linears) keep their own."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
-    count = 0
     for chunk in ddp_chunks:
         flagged = set()
         for module in chunk.modules():
@@ -105,11 +104,9 @@ def install(ddp_chunks: list) -> int:
             if type(module)._forward_impl is not base._forward_impl or not module.gradient_accumulation_fusion:
                 continue
             module._forward_impl = functools.partial(_forward_impl, module, module._forward_impl)
-            count += 1
             weight = module.weight
             if weight is not None and hasattr(weight, "main_grad") and not getattr(weight, "zero_out_wgrad", False):
                 weight.grad_added_to_main_grad = True
                 flagged.add(weight)
         # megatron-core's DDP resets every flag to False at each zero_grad_buffer; these stay set
         chunk.params_with_grad = [p for p in chunk.params_with_grad if p not in flagged]
-    return count
