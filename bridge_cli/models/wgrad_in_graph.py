@@ -1,10 +1,11 @@
 """``model.gradient_accumulation_fusion`` through megatron-core's parallel linears, in a form ``torch.compile`` traces.
 
 megatron-core's linear adds each weight gradient into the fp32 ``main_grad`` inside its backward, then sets
-two Python attributes on the weight there (``weight.main_grad``, ``weight.grad_added_to_main_grad``). dynamo
-cannot trace attribute writes in a backward, so under ``model.compile_layers`` every compiled layer broke
-into eager pieces at each of its linears: the residual gradients' adds and the bias-gradient sums between
-those pieces ran as separate kernels (3% of gpt2_124m's step on an H100, docs/performance.md).
+two Python attributes on the weight there (``weight.main_grad``, ``weight.grad_added_to_main_grad``), which a
+compiled backward cannot hold: under ``model.compile_layers`` that backward ran outside the compiled graph, its
+bias-gradient sums and the adds around it as separate eager kernels. In the graph they become compiled kernels
+of about the same cost (no speed change on gpt2_124m or llama1b, docs/performance.md); what this also gives
+is the option on the CPU, where megatron-core's linear cannot run it (its placeholder gradients are CUDA tensors).
 
 :func:`install` gives each parallel linear of the wrapped model a forward whose backward writes nothing but
 tensors: the weight gradient is one custom op that adds ``grad_output^T @ input`` into ``main_grad``, an

@@ -8,34 +8,11 @@ its buffers live on the CPU and gloo carries the all-reduce. Only the distribute
 
 from __future__ import annotations
 
-import dataclasses
 from typing import TYPE_CHECKING
-
-from bridge_cli.config.errors import ConfigError
 
 if TYPE_CHECKING:
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import MegatronOptimizer
-
-
-MEGATRON_FSDP_FIELDS = ("use_megatron_fsdp", "use_custom_fsdp", "data_parallel_sharding_strategy",
-                        "outer_dp_sharding_strategy", "suggested_communication_unit_size", "preserve_fp32_weights",
-                        "gradient_reduce_div_fusion", "fsdp_double_buffer", "fsdp_manual_registration")
-"""ddp fields that configure Megatron FSDP's wrapper (and, by prefix, ``fsdp_*`` and ``megatron_fsdp_*``)."""
-
-
-def check_wrapper_fields(ddp_config) -> None:
-    """Refuse the ddp fields of Megatron FSDP: bridge wraps every model in megatron-core's
-    DistributedDataParallel, which never reads them (Megatron-LM picks its FSDP wrapper from them)."""
-    for f in dataclasses.fields(ddp_config):
-        if not (f.name in MEGATRON_FSDP_FIELDS or f.name.startswith(("fsdp_", "megatron_fsdp_"))):
-            continue
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        if getattr(ddp_config, f.name) != default:
-            raise ConfigError(f"ddp.{f.name}", "configures Megatron FSDP, which bridge does not use: it wraps the model "
-                              "in megatron-core's DistributedDataParallel.",
-                              f"Leave it at its default ({default!r}); optimizer.use_distributed_optimizer=true "
-                              "shards the optimizer state across data-parallel ranks.")
 
 
 def wrap_model(model_chunks: list, ddp_config: DistributedDataParallelConfig) -> list:

@@ -1,8 +1,12 @@
-"""Model fields that megatron-core leaves to its launcher (Megatron-LM's training script) rather than reading in
-its layers: bridge passes the pipeline's communication backend on (runtime/distributed.py) and refuses what it does
-not set up."""
+"""Fields of megatron-core's config classes that Megatron-LM's launcher (its training script), not megatron-core's
+layers, acts on: bridge passes the pipeline's communication backend on (runtime/distributed.py) and refuses the
+model and ddp fields of what it does not set up (Transformer Engine's userbuffers, captured CUDA graphs, Megatron
+FSDP: bridge always wraps in megatron-core's DistributedDataParallel)."""
 
 from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Optional
 
 from bridge_cli.config.errors import ConfigError
 
@@ -20,16 +24,24 @@ NOT_SET_UP = {
 }
 """model field -> what it does that bridge does not (refused away from its default)."""
 
+MEGATRON_FSDP_FIELDS = ("use_megatron_fsdp", "use_custom_fsdp", "data_parallel_sharding_strategy",
+                        "outer_dp_sharding_strategy", "suggested_communication_unit_size", "preserve_fp32_weights",
+                        "gradient_reduce_div_fusion", "fsdp_double_buffer", "fsdp_manual_registration")
+"""ddp fields that configure Megatron FSDP's wrapper (and, by prefix, ``fsdp_*`` and ``megatron_fsdp_*``)."""
 
-def check_launcher_fields(model, device: str) -> None:
-    """Raise ConfigError for a launcher-level model field this run cannot honour."""
-    import dataclasses
+FSDP = ("configures Megatron FSDP, which bridge does not use: it wraps the model in megatron-core's "
+        "DistributedDataParallel")
 
+
+def check_launcher_fields(model, ddp_config, device: str) -> None:
+    """Raise ConfigError for a launcher-level model or ddp field this run cannot honour."""
     import torch
 
-    for f in dataclasses.fields(model):
-        if f.name in NOT_SET_UP and getattr(model, f.name) != f.default:
-            raise ConfigError(f"model.{f.name}", f"{NOT_SET_UP[f.name]}.", f"Leave it at its default ({f.default!r}).")
+    _refuse_set("model", model, NOT_SET_UP.get)
+    _refuse_set("ddp", ddp_config,
+                lambda name: FSDP if name in MEGATRON_FSDP_FIELDS or name.startswith(("fsdp_", "megatron_fsdp_"))
+                else None,
+                "; optimizer.use_distributed_optimizer=true shards the optimizer state across data-parallel ranks")
     backend = model.pipeline_model_parallel_comm_backend  # nccl or ucc (the schema's choices)
     if backend is None:
         return
@@ -38,3 +50,15 @@ def check_launcher_fields(model, device: str) -> None:
         why = "this torch was built without UCC" if backend == "ucc" else "NCCL needs CUDA"
         raise ConfigError("model.pipeline_model_parallel_comm_backend", f"{backend}: {why}.",
                           "Unset it to use the process group's backend.")
+
+
+def _refuse_set(section: str, config: Any, why: Callable[[str], Optional[str]], fix: str = "") -> None:
+    """Raise ConfigError for the first field of ``config`` that ``why`` names a reason for and that is set away
+    from its default."""
+    for f in dataclasses.fields(config):
+        reason = why(f.name)
+        if reason is None:
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        if getattr(config, f.name) != default:
+            raise ConfigError(f"{section}.{f.name}", f"{reason}.", f"Leave it at its default ({default!r}){fix}.")

@@ -25,7 +25,6 @@ from bridge_cli.models.moe_checks import check_moe
 from bridge_cli.models.specs import default_spec_name
 from bridge_cli.models.wgrad_accumulation import check as check_wgrad_accumulation
 from bridge_cli.config.data_configs import FinetuningDatasetConfig
-from bridge_cli.runtime.ddp import check_wrapper_fields
 from bridge_cli.runtime.device_rules import check_device
 from bridge_cli.runtime.launcher_fields import check_launcher_fields
 from bridge_cli.runtime.mcore_import import megatron_core_version
@@ -88,7 +87,6 @@ def validate_and_derive(cfg, world_size: int, device: str) -> Derived:
         if f.init and f.name not in ("model", "optimizer", "ddp") and dataclasses.is_dataclass(value):
             check_section(f.name, value)
     check_unsupported(cfg)
-    check_wrapper_fields(cfg.ddp)
     _check_required(cfg)
     check_ranges(cfg)
     _check_exit_signal(cfg.train)
@@ -99,7 +97,7 @@ def validate_and_derive(cfg, world_size: int, device: str) -> Derived:
     vocab_size = _vocab_size(cfg)
     dp = data_parallel_size(cfg.model, world_size)
     _check_model_shape(cfg.model)
-    check_launcher_fields(cfg.model, device)
+    check_launcher_fields(cfg.model, cfg.ddp, device)
     check_moe(cfg.model, world_size)
     global_batch, microbatches = _batches(cfg.train, dp)
     _check_gradient_norm_logging(cfg, dp)

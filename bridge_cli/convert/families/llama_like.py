@@ -47,6 +47,8 @@ class LlamaLike:
     """Hugging Face's names of a layer's norms before the attention and before the MLP (None: it has none)."""
     post_norms: Optional[tuple[str, str]] = None
     """Its names of the norms after the attention and after the MLP (``post_sublayer_norm``; None: none)."""
+    norm_bias = False
+    """Whether every norm, the final one included, has a bias (a LayerNorm's) besides its weight."""
 
     # config.json -> model fields
 
@@ -162,7 +164,7 @@ class LlamaLike:
         out = [Pair("embedding.word_embeddings.weight", (("model.embed_tokens.weight", (v, h)),), Layout.VOCAB)]
         for i in range(arch.num_layers):
             out += self.layer_pairs(arch, i, f"decoder.layers.{i}.", f"model.layers.{i}.")
-        out.append(Pair("decoder.final_layernorm.weight", (("model.norm.weight", (h,)),)))
+        out += self.norm_pairs(arch, "decoder.final_layernorm", "model.norm")
         if not arch.tied:
             out.append(Pair("output_layer.weight", (("lm_head.weight", (v, h)),), Layout.VOCAB))
         return out
@@ -170,7 +172,7 @@ class LlamaLike:
     def layer_pairs(self, arch: Architecture, layer: int, m: str, p: str) -> list[Pair]:
         """Decoder layer ``layer``: megatron-core names under ``m``, Hugging Face's under ``p``."""
         def norm(mcore: str, hf: str) -> list[Pair]:
-            return [Pair(f"{m}{mcore}.weight", ((f"{p}{hf}.weight", (arch.hidden_size,)),))]
+            return self.norm_pairs(arch, m + mcore, p + hf)
 
         pre, post = self.pre_norms, self.post_norms
         return [*(norm("input_layernorm", pre[0]) if pre else []),
@@ -179,6 +181,11 @@ class LlamaLike:
                 *(norm("pre_mlp_layernorm", pre[1]) if pre else []),
                 *self.feed_forward_pairs(arch, layer, m + "mlp.", p + "mlp."),
                 *(norm("mlp_bda.norm", post[1]) if post else [])]
+
+    def norm_pairs(self, arch: Architecture, mcore: str, hf: str) -> list[Pair]:
+        """One norm: megatron-core's ``mcore``, Hugging Face's ``hf`` (its weight, and its bias with ``norm_bias``)."""
+        kinds = ("weight", "bias") if self.norm_bias else ("weight",)
+        return [Pair(f"{mcore}.{kind}", ((f"{hf}.{kind}", (arch.hidden_size,)),)) for kind in kinds]
 
     def attention_pairs(self, arch: Architecture, m: str, p: str) -> list[Pair]:
         """One layer's attention: megatron-core names under ``m``, Hugging Face's under ``p``."""

@@ -26,6 +26,7 @@ class Starcoder2(LlamaLike):
               "llama3; model.seq_length is capped at sliding_window")
     fixed = {**LLAMA_STYLE, "normalization": "LayerNorm", "activation_func": "fast_gelu", "gated_linear_unit": False,
              "add_bias_linear": True, "add_qkv_bias": True}
+    norm_bias = True
 
     def model_fields(self, hf: Mapping[str, Any], where: Path, seq_length: Optional[int] = None) -> dict[str, Any]:
         return {**super().model_fields(hf, where, seq_length), "normalization": "LayerNorm",
@@ -56,21 +57,6 @@ class Starcoder2(LlamaLike):
 
     def hf_extras(self, model: Mapping[str, Any]) -> dict[str, Any]:
         return {}
-
-    def pairs(self, arch: Architecture) -> list[Pair]:
-        h = arch.hidden_size
-        out = super().pairs(arch)
-        at = next(i for i, pair in enumerate(out) if pair.mcore == "decoder.final_layernorm.weight")
-        return [*out[:at + 1], Pair("decoder.final_layernorm.bias", (("model.norm.bias", (h,)),)), *out[at + 1:]]
-
-    def layer_pairs(self, arch: Architecture, layer: int, m: str, p: str) -> list[Pair]:
-        h = arch.hidden_size
-        return [Pair(m + "input_layernorm.weight", ((p + "input_layernorm.weight", (h,)),)),
-                Pair(m + "input_layernorm.bias", ((p + "input_layernorm.bias", (h,)),)),
-                *self.attention_pairs(arch, m + "self_attention.", p + "self_attn."),
-                Pair(m + "pre_mlp_layernorm.weight", ((p + "post_attention_layernorm.weight", (h,)),)),
-                Pair(m + "pre_mlp_layernorm.bias", ((p + "post_attention_layernorm.bias", (h,)),)),
-                *self.mlp_pairs(arch, m + "mlp.", p + "mlp.")]
 
     def attention_pairs(self, arch: Architecture, m: str, p: str) -> list[Pair]:
         return [*super().attention_pairs(arch, m, p),
