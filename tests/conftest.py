@@ -20,6 +20,12 @@ if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
     # since OpenMP reads it once.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, os.cpu_count() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
 
+# The environment of every run the tests start, taken before any test runs; a run's own variables come
+# through ``env``. Libraries set variables in the process that uses them (megatron-core NVTE_*_ATTN when it
+# builds a model, inductor _TORCHINDUCTOR_* when it compiles): a run that inherited them from an earlier
+# in-process test would start as no user's shell starts it, and as a fresh process instead of a fork.
+RUN_ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
+
 
 @pytest.fixture
 def cli():
@@ -100,10 +106,10 @@ def _torchrun_rank(rank: int, nproc: int, port: str) -> dict[str, str]:
 
 
 def _full_env(env: dict | None) -> dict[str, str]:
-    return {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    return {**RUN_ENV, **(env or {})}
 
 
-_FORKED = ForkedCli()
+_FORKED = ForkedCli(RUN_ENV)
 
 
 @pytest.fixture(scope="session", autouse=True)

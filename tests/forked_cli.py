@@ -44,11 +44,13 @@ RUN_TIME_VARIABLES = re.compile(
 
 
 class ForkedCli:
-    """The test side: one server per test process, started at the first run, restarted if it dies."""
+    """The test side: one server per test process, started at the first run, restarted if it dies.
 
-    def __init__(self) -> None:
+    ``env`` is the server's environment: the one runs get, less their own variables."""
+
+    def __init__(self, env: dict[str, str]) -> None:
         self._server: subprocess.Popen | None = None
-        self._env: dict[str, str] = {}
+        self._env = env
 
     def runs(self, command: list[str], argv: list[str], envs: list[dict[str, str]], timeout: float,
              cwd: Path) -> subprocess.CompletedProcess:
@@ -67,9 +69,8 @@ class ForkedCli:
     def can_fork(self, envs: list[dict[str, str]]) -> bool:
         if os.environ.get("BRIDGE_TEST_FRESH_PROCESSES") == "1" or _gpu_visible():
             return False
-        reference = self._env or _server_env()
         return all(RUN_TIME_VARIABLES.fullmatch(key)
-                   for env in envs for key in set(env) | set(reference) if env.get(key) != reference.get(key))
+                   for env in envs for key in set(env) | set(self._env) if env.get(key) != self._env.get(key))
 
     def _ask(self, request: dict) -> dict:
         if self._server is None or self._server.poll() is not None:
@@ -82,7 +83,6 @@ class ForkedCli:
         return json.loads(line)
 
     def _start(self) -> None:
-        self._env = _server_env()
         self._server = subprocess.Popen([sys.executable, "-m", "tests.forked_cli"], cwd=REPO, env=self._env, text=True,
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
         if self._server.stdout.readline() != "ready\n":
@@ -102,10 +102,6 @@ def _gpu_visible() -> bool:
     import torch
 
     return torch.cuda.is_available()
-
-
-def _server_env() -> dict[str, str]:
-    return {**os.environ, "PYTHONUNBUFFERED": "1"}
 
 
 def main() -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, bridge
+from tests.conftest import REPO, RUN_ENV, bridge
 from tests.integration.test_checkpoint_resume import ARGS, losses, ok, reference, tracker  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.slow
@@ -49,7 +49,7 @@ def kill_plan(seed: int) -> list[tuple[str, int, float]]:
 def run_and_kill(args: list[str], root: Path, where: str, iteration: int, delay: float) -> str:
     """`bridge pretrain ARGS`, SIGKILLed (its whole process group, as a scheduler kills a job) at the
     point described; its stdout."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = RUN_ENV
     proc = subprocess.Popen([sys.executable, "-m", "bridge_cli", "pretrain", *args], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     lines: list[str] = []

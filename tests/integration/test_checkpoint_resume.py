@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import REPO, bridge, run, torchrun
+from tests.conftest import REPO, RUN_ENV, bridge, run, torchrun
 
 ARGS = ["recipe=tiny", "train.train_iters=40", "logger.log_interval=1", "train.eval_iters=0"]
 LOSS = re.compile(r"^iteration\s+(\d+)/\d+ .*\| lm loss ([0-9.]+) ", re.M)
@@ -51,7 +51,7 @@ def kill_when_paused(args: list[str], paused_dir: Path) -> str:
     The whole process group is killed, as a scheduler kills a job: megatron-core's checkpoint writer
     leaves helper processes (a multiprocessing manager) that would otherwise outlive the run.
     """
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = RUN_ENV
     proc = subprocess.Popen([sys.executable, "-m", "tests.integration.pause_before_publish",
                              str(int(paused_dir.name[5:12])), "pretrain", *args], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -102,7 +102,7 @@ def test_stopped_run_resumes_with_the_same_losses(reference, stopped_at_20, tmp_
 
 def test_sigterm_saves_and_exits_0_then_resume_continues(reference, tmp_path):
     root = tmp_path / "ckpt"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = RUN_ENV
     proc = subprocess.Popen([sys.executable, "-m", "bridge_cli", "pretrain", *ARGS, f"checkpoint.save={root}",
                              "train.exit_signal_handler=true"], cwd=REPO, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)

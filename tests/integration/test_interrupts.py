@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -11,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, RUN_ENV
 
 pytestmark = pytest.mark.slow
 
@@ -19,7 +18,7 @@ pytestmark = pytest.mark.slow
 def start(save: Path) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "bridge_cli", "pretrain", "recipe=tiny", "train.train_iters=100000",
                              f"checkpoint.save={save}", "logger.log_interval=1", "train.eval_iters=0"],
-                            cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"}, text=True,
+                            cwd=REPO, env=RUN_ENV, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
