@@ -45,5 +45,6 @@ def test_conversion_memory_grows_with_a_layer_not_the_model(tmp_path):
     # export: a decoder layer (67 MB) read and converted plus one 50 MB shard, about 0.35x; it was 1.47x
     assert exported - base_export < 0.5 * size, (exported, base_export, size)
     # import: the model once (megatron-core's writer needs it whole, and its workers add about half),
-    # about 1.55x; with the Hugging Face files held too it was 2.48x
-    assert imported - base_import < 1.75 * size, (imported, base_import, size)
+    # about 1.55x, up to 1.86x when a sample falls while the writer's workers hold pages of their own
+    # (two runs of 2026-11-26); with the Hugging Face files held too it was 2.48x
+    assert imported - base_import < 2.1 * size, (imported, base_import, size)

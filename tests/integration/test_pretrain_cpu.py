@@ -1,4 +1,5 @@
-"""`bridge pretrain` end to end on the CPU: loss falls, parallel layouts agree, every API pattern works."""
+"""`bridge pretrain` end to end on the CPU: parallel layouts agree, every API pattern works (the `tiny` recipe as
+shipped, whose loss falls, is the README's main job: tests/integration/test_readme.py)."""
 
 from __future__ import annotations
 
@@ -14,21 +15,6 @@ SHORT = ["recipe=tiny", "train.train_iters=12", "logger.log_interval=1", "train.
 
 def losses(output: str) -> list[float]:
     return [float(loss) for _, loss in LOSS.findall(output)]
-
-
-@pytest.mark.slow
-def test_tiny_recipe_trains_and_the_loss_falls():
-    result = bridge("pretrain", "recipe=tiny")
-    assert result.returncode == 0, result.stderr[-3000:]
-    out = result.stdout
-    curve = losses(out)
-    assert len(curve) == 10  # one line per logger.log_interval (10) over 100 iterations
-    assert curve[-1] < 0.5 * curve[0], curve
-    line = out.splitlines()[[i for i, l in enumerate(out.splitlines()) if l.startswith("iteration")][0]]
-    for field in ("lr ", "grad norm ", "tokens/s/gpu ", "elapsed ms/iter ", "lm loss "):
-        assert field in line, line
-    assert re.search(r"validation at iteration 50 \| lm loss [0-9.]+ \| lm loss PPL", out)
-    assert "GPTModel 2 layers" in out
 
 
 @pytest.mark.slow
