@@ -49,8 +49,7 @@ def kill_plan(seed: int) -> list[tuple[str, int, float]]:
 def run_and_kill(args: list[str], root: Path, where: str, iteration: int, delay: float) -> str:
     """`bridge pretrain ARGS`, SIGKILLed (its whole process group, as a scheduler kills a job) at the
     point described; its stdout."""
-    env = RUN_ENV
-    proc = subprocess.Popen([sys.executable, "-m", "bridge_cli", "pretrain", *args], cwd=REPO, env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "bridge_cli", "pretrain", *args], cwd=REPO, env=RUN_ENV,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)

@@ -51,9 +51,8 @@ def kill_when_paused(args: list[str], paused_dir: Path) -> str:
     The whole process group is killed, as a scheduler kills a job: megatron-core's checkpoint writer
     leaves helper processes (a multiprocessing manager) that would otherwise outlive the run.
     """
-    env = RUN_ENV
     proc = subprocess.Popen([sys.executable, "-m", "tests.integration.pause_before_publish",
-                             str(int(paused_dir.name[5:12])), "pretrain", *args], cwd=REPO, env=env,
+                             str(int(paused_dir.name[5:12])), "pretrain", *args], cwd=REPO, env=RUN_ENV,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.time() + 120
     while not (paused_dir / "run_config.yaml").exists():  # written last, just before the rename
@@ -102,9 +101,8 @@ def test_stopped_run_resumes_with_the_same_losses(reference, stopped_at_20, tmp_
 
 def test_sigterm_saves_and_exits_0_then_resume_continues(reference, tmp_path):
     root = tmp_path / "ckpt"
-    env = RUN_ENV
     proc = subprocess.Popen([sys.executable, "-m", "bridge_cli", "pretrain", *ARGS, f"checkpoint.save={root}",
-                             "train.exit_signal_handler=true"], cwd=REPO, env=env, text=True,
+                             "train.exit_signal_handler=true"], cwd=REPO, env=RUN_ENV, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     lines = []
     for line in proc.stdout:
