@@ -55,10 +55,13 @@ def one_process():
     destroy_distributed()
 
 
-def run(*args: str, timeout: int = 600, env: dict | None = None, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    """Run a command (e.g. `bridge pretrain ...`) as a user would, capturing its output."""
-    return subprocess.run(list(args), capture_output=True, text=True, timeout=timeout, env=_full_env(env),
-                          cwd=cwd or REPO)
+def run(*args: str, timeout: int = 600, env: dict | None = None, cwd: Path | None = None,
+        hand_off: bool = True) -> subprocess.CompletedProcess:
+    """Run a command (e.g. `bridge pretrain ...`) as a user would, capturing its output. The bridge
+    interpreters it starts (itself, torchrun's workers, a script's `bridge`) hand their runs to this
+    worker's fork server (tests/fork_shim) unless ``hand_off`` is false."""
+    return subprocess.run(list(args), capture_output=True, text=True, timeout=timeout, cwd=cwd or REPO,
+                          env=run_env(env) if hand_off else {**RUN_ENV, **(env or {})})
 
 
 def python(*argv: str, nproc: int = 0, timeout: int = 600, env: dict | None = None,
@@ -76,10 +79,10 @@ def python(*argv: str, nproc: int = 0, timeout: int = 600, env: dict | None = No
         port = str(_free_port())
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
                    port, *argv]
-        base = {"OMP_NUM_THREADS": "1", **_full_env(env)}  # torchrun's default for more than one process a node
+        base = {"OMP_NUM_THREADS": "1", **run_env(env)}  # torchrun's default for more than one process a node
         envs = [{**base, **_torchrun_rank(rank, nproc, port)} for rank in range(nproc)]
     else:
-        command, envs = [sys.executable, *argv], [_full_env(env)]
+        command, envs = [sys.executable, *argv], [run_env(env)]
     if not _FORKED.can_fork(envs):
         return run(*command, timeout=timeout, env=env, cwd=cwd)
     return _FORKED.runs(command, list(argv), envs, timeout, cwd or REPO)
@@ -105,8 +108,10 @@ def _torchrun_rank(rank: int, nproc: int, port: str) -> dict[str, str]:
             "TORCHELASTIC_RUN_ID": "none"}
 
 
-def _full_env(env: dict | None) -> dict[str, str]:
-    return {**RUN_ENV, **(env or {})}
+def run_env(env: dict | None = None) -> dict[str, str]:
+    """The environment of a run the tests start: RUN_ENV, what hands its bridge interpreters' runs to the
+    fork server, then ``env``."""
+    return {**RUN_ENV, **_FORKED.hand_off_env(), **(env or {})}
 
 
 _FORKED = ForkedCli(RUN_ENV)

@@ -16,6 +16,14 @@ Only a run whose environment differs from the server's in variables read while i
 import) can be a fork (`ForkedCli.can_fork`); the caller starts any other as a fresh process, and
 so every run where a GPU is visible or BRIDGE_TEST_FRESH_PROCESSES=1 is set. The server reads one
 JSON request per line on stdin and writes one JSON reply per line.
+
+Processes the tests do not start themselves (torchrun's workers, the `bridge` of a README command or a
+Slurm template, the conversion a training run starts) are real interpreters that hand their run over
+at start-up (tests/fork_shim/sitecustomize.py, on the PYTHONPATH that `ForkedCli.hand_off_env` gives):
+they send their argv, environment, working directory, resource limits and standard streams to the
+server's socket, the server forks the run with those streams, and the interpreter forwards the signals
+it gets to that fork and exits with its exit status. Where the server cannot stand for the process (its
+environment differs in a variable read at import, say) the interpreter carries on as a fresh one.
 """
 
 from __future__ import annotations
@@ -24,7 +32,9 @@ import functools
 import json
 import os
 import re
+import selectors
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -37,10 +47,25 @@ REPO = Path(__file__).resolve().parent.parent
 # PYTHONPATH (which the child applies itself), and pytest's name of the test being run, which nothing
 # reads. CUDA_VISIBLE_DEVICES is read when CUDA starts, which never happens in the server (no run
 # forks where a GPU is visible); XDG_CACHE_HOME and TORCHINDUCTOR_CACHE_DIR when something compiles.
+# TORCH_LOGS is read at torch's import; a fork whose value differs sets torch's logging up again (run_as_main).
 RUN_TIME_VARIABLES = re.compile(
     r"(BRIDGE_|MLFLOW_|COMET_|WANDB_|SLURM_|TORCHELASTIC_).*|RANK|LOCAL_RANK|GROUP_RANK|ROLE_RANK|ROLE_NAME|"
     r"WORLD_SIZE|LOCAL_WORLD_SIZE|GROUP_WORLD_SIZE|ROLE_WORLD_SIZE|MASTER_ADDR|MASTER_PORT|OMP_NUM_THREADS|"
-    r"CUDA_VISIBLE_DEVICES|PYTHONPATH|PYTEST_CURRENT_TEST|XDG_CACHE_HOME|TORCHINDUCTOR_CACHE_DIR")
+    r"CUDA_VISIBLE_DEVICES|PYTHONPATH|PYTEST_CURRENT_TEST|XDG_CACHE_HOME|TORCHINDUCTOR_CACHE_DIR|TORCH_LOGS|"
+    # what torchrun's agent adds to a worker's environment, the shell that starts one, the Slurm templates'
+    # own variables (scripts/slurm) and the stand-ins for Slurm's commands that a test puts on PATH
+    r"TORCH_NCCL_ASYNC_ERROR_HANDLING|NCCL_ASYNC_ERROR_HANDLING|CUDA_DEVICE_MAX_CONNECTIONS|PWD|OLDPWD|SHLVL|_|"
+    r"PATH|EXIT_MINUTES|GPUS_PER_NODE|LOG_DIR|PYTHON|RDZV_PORT|REQUEUED|"
+    # megatron-core sets these when it builds a model (so the conversion a training run starts inherits them)
+    # and reads them when it builds one
+    r"NVTE_FLASH_ATTN|NVTE_FUSED_ATTN|NVTE_UNFUSED_ATTN")
+SOCKET_VARIABLE = "BRIDGE_TEST_FORK_SOCKET"
+SHIM = Path(__file__).resolve().parent / "fork_shim"
+
+
+def forkable(env: dict[str, str], base: dict[str, str]) -> bool:
+    """Whether a fork of a process started with ``base`` can stand for one started with ``env``."""
+    return all(RUN_TIME_VARIABLES.fullmatch(key) for key in set(env) | set(base) if env.get(key) != base.get(key))
 
 
 class ForkedCli:
@@ -51,6 +76,18 @@ class ForkedCli:
     def __init__(self, env: dict[str, str]) -> None:
         self._server: subprocess.Popen | None = None
         self._env = env
+        self._folder = tempfile.TemporaryDirectory(prefix="forked-cli-")
+        self._socket = os.path.join(self._folder.name, "socket")
+
+    def hand_off_env(self) -> dict[str, str]:
+        """What a process's environment needs for its interpreter to hand the run to the server (none
+        where runs cannot be forks)."""
+        if not self.can_fork([self._env]):
+            return {}
+        if self._server is None or self._server.poll() is not None:
+            self._start()
+        path = self._env.get("PYTHONPATH")
+        return {SOCKET_VARIABLE: self._socket, "PYTHONPATH": os.pathsep.join([str(SHIM), *([path] if path else [])])}
 
     def runs(self, command: list[str], argv: list[str], envs: list[dict[str, str]], timeout: float,
              cwd: Path) -> subprocess.CompletedProcess:
@@ -69,8 +106,7 @@ class ForkedCli:
     def can_fork(self, envs: list[dict[str, str]]) -> bool:
         if os.environ.get("BRIDGE_TEST_FRESH_PROCESSES") == "1" or _gpu_visible():
             return False
-        return all(RUN_TIME_VARIABLES.fullmatch(key)
-                   for env in envs for key in set(env) | set(self._env) if env.get(key) != self._env.get(key))
+        return all(forkable(env, self._env) for env in envs)
 
     def _ask(self, request: dict) -> dict:
         if self._server is None or self._server.poll() is not None:
@@ -83,7 +119,10 @@ class ForkedCli:
         return json.loads(line)
 
     def _start(self) -> None:
-        self._server = subprocess.Popen([sys.executable, "-m", "tests.forked_cli"], cwd=REPO, env=self._env, text=True,
+        if os.path.exists(self._socket):
+            os.unlink(self._socket)  # a server that died left it
+        self._server = subprocess.Popen([sys.executable, "-m", "tests.forked_cli"], cwd=REPO, text=True,
+                                        env={**self._env, SOCKET_VARIABLE: self._socket},
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
         if self._server.stdout.readline() != "ready\n":
             raise RuntimeError(f"the forked-CLI server did not start (exit {self._server.wait()})")
@@ -93,6 +132,7 @@ class ForkedCli:
         if self._server is not None and self._server.poll() is None:
             self._server.kill()
             self._server.wait()
+        self._folder.cleanup()
 
 
 @functools.cache
@@ -113,6 +153,7 @@ def main() -> None:
     # what training and conversion runs import on their way (Hydra, checkpoints, models, data, the HF importer)
     import megatron.core.datasets.blended_megatron_dataset_builder  # noqa: F401 - the point of this process
     import megatron.core.dist_checkpointing.strategies.filesystem_async  # noqa: F401
+    import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401
 
     import bridge_cli.checkpoint.load  # noqa: F401
     import bridge_cli.checkpoint.save  # noqa: F401
@@ -127,34 +168,132 @@ def main() -> None:
 
     compose("tiny", [])  # Hydra's first compose imports its plugins and scans for more: once, here
 
+    server = Server(reply)
     print("ready", file=reply, flush=True)
-    for line in sys.stdin:
-        request = json.loads(line)
-        print(json.dumps(serve(request)), file=reply, flush=True)
+    server.loop()
 
 
-def serve(request: dict) -> dict:
-    """Start every process of ``request``, wait for all, stop the rest when one fails or time runs out."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    children = [fork(proc, request) for proc in request["procs"]]
-    deadline = time.monotonic() + request["timeout"]
-    codes: dict[int, int] = {}
-    while len(codes) < len(children):
-        pid, status = os.waitpid(-1, os.WNOHANG)
+class Server:
+    """One loop over the test's requests (stdin) and the handed-over processes (the socket)."""
+
+    def __init__(self, reply) -> None:
+        self.reply = reply
+        self.env = dict(os.environ)
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(sys.stdin, selectors.EVENT_READ)
+        self.listener = None
+        if os.environ.get(SOCKET_VARIABLE):
+            self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            self.listener.bind(os.environ[SOCKET_VARIABLE])
+            self.listener.listen(64)
+            self.selector.register(self.listener, selectors.EVENT_READ)
+        self.request: dict | None = None  # the test's request being served: its children, exit codes, deadline
+        self.handed: dict[int, socket.socket] = {}  # each handed-over run's fork -> its interpreter's connection
+
+    def loop(self) -> None:
+        while True:
+            for key, _ in self.selector.select(timeout=0.01):
+                if key.fileobj is self.listener:
+                    self.take_over(self.listener.accept()[0])
+                elif key.fileobj is sys.stdin:
+                    line = sys.stdin.readline()
+                    if not line:
+                        return
+                    self.start(json.loads(line))
+                elif not key.fileobj.recv(1):  # the interpreter is gone (kill -9): so goes its run, now
+                    _kill_group(key.data, signal.SIGKILL)
+                    os.waitpid(key.data, 0)  # before any later run starts: a zombie would still hold its lock
+                    self.selector.unregister(key.fileobj)
+                    self.handed.pop(key.data).close()
+            self.reap()
+
+    def start(self, request: dict) -> None:
+        """Start every process of the test's ``request``; ``reap`` replies once all have ended."""
+        sys.stdout.flush()
+        sys.stderr.flush()
+        children = [self.fork(lambda proc=proc: _child_of_request(proc, request, self.env)) for proc in request["procs"]]
+        self.request = {"children": children, "codes": {}, "deadline": time.monotonic() + request["timeout"]}
+
+    def take_over(self, conn: socket.socket) -> None:
+        """Fork the run of the interpreter at the other end of ``conn``, or tell it to carry on itself."""
+        message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+        handed = json.loads(message)
+        reason = self.cannot_stand_for(handed)
+        if reason or len(fds) != 3:
+            for fd in fds:
+                os.close(fd)
+            conn.send(json.dumps({"fresh": reason or "no standard streams"}).encode())
+            conn.close()
+            return
+        pid = self.fork(lambda: _child_of_hand_off(handed, fds, self.env))
+        for fd in fds:
+            os.close(fd)
+        conn.send(json.dumps({"pid": pid}).encode())
+        self.handed[pid] = conn
+        self.selector.register(conn, selectors.EVENT_READ, pid)
+
+    def cannot_stand_for(self, handed: dict) -> str | None:
+        if os.path.realpath(handed["executable"]) != os.path.realpath(sys.executable):
+            return f"another interpreter ({handed['executable']})"
+        if not forkable(handed["env"], self.env):
+            differ = sorted(k for k in set(handed["env"]) | set(self.env) if handed["env"].get(k) != self.env.get(k)
+                            and not RUN_TIME_VARIABLES.fullmatch(k))
+            return f"its environment differs in {', '.join(differ)}"
+        return None
+
+    def fork(self, child) -> int:
+        pid = os.fork()
         if pid:
-            codes[pid] = os.waitstatus_to_exitcode(status)
-            if codes[pid] != 0:
-                stop(children, codes, signal.SIGTERM, grace=5.0)
-            continue
-        if time.monotonic() > deadline:
+            return pid
+        code = 1
+        try:
+            os.setpgid(0, 0)
+            self.selector.close()
+            for conn in [self.listener, *self.handed.values()]:
+                if conn is not None:
+                    conn.close()
+            code = child()
+        except BaseException:  # noqa: BLE001 - the child must never return into the server's loop
+            import traceback
+
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+
+    def reap(self) -> None:
+        for pid in list(self.handed):
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                conn = self.handed.pop(pid)
+                if conn in (key.fileobj for key in self.selector.get_map().values()):
+                    self.selector.unregister(conn)
+                    conn.send(json.dumps({"exit": os.waitstatus_to_exitcode(status)}).encode())
+                conn.close()
+        if self.request is None:
+            return
+        children, codes = self.request["children"], self.request["codes"]
+        _collect(children, codes)
+        if any(code != 0 for code in codes.values()) and len(codes) < len(children):
+            stop(children, codes, signal.SIGTERM, grace=5.0)  # as torchrun does when one rank fails
+        if len(codes) == len(children):
+            results = [codes[pid] for pid in children]
+            code = results[0] if len(results) == 1 else int(any(results))  # torchrun's own exit code
+            self._answer({"returncode": code})
+        elif time.monotonic() > self.request["deadline"]:
             stop(children, codes, signal.SIGKILL, grace=5.0)
-            return {"timed_out": True}
-        time.sleep(0.01)
-    results = [codes[pid] for pid in children]
-    if len(results) == 1:
-        return {"returncode": results[0]}
-    return {"returncode": 0 if all(code == 0 for code in results) else 1}  # torchrun's own exit code
+            self._answer({"timed_out": True})
+
+    def _answer(self, reply: dict) -> None:
+        self.request = None
+        print(json.dumps(reply), file=self.reply, flush=True)
+
+
+def _collect(children: list[int], codes: dict[int, int]) -> None:
+    for pid in children:
+        if pid not in codes:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                codes[pid] = os.waitstatus_to_exitcode(status)
 
 
 def stop(children: list[int], codes: dict[int, int], sig: int, grace: float) -> None:
@@ -163,17 +302,16 @@ def stop(children: list[int], codes: dict[int, int], sig: int, grace: float) -> 
         if pid not in codes:
             _kill_group(pid, sig)
     deadline = time.monotonic() + grace
-    while len(codes) < len(children):
-        pid, status = os.waitpid(-1, os.WNOHANG)
-        if pid:
-            codes[pid] = os.waitstatus_to_exitcode(status)
-        elif time.monotonic() > deadline:
+    while True:
+        _collect(children, codes)
+        if len(codes) == len(children):
+            return
+        if time.monotonic() > deadline:
             for other in children:
                 if other not in codes:
                     _kill_group(other, signal.SIGKILL)
             deadline = float("inf")
-        else:
-            time.sleep(0.01)
+        time.sleep(0.01)
 
 
 def _kill_group(pid: int, sig: int) -> None:
@@ -183,48 +321,50 @@ def _kill_group(pid: int, sig: int) -> None:
         pass
 
 
-def fork(proc: dict, request: dict) -> int:
-    pid = os.fork()
-    if pid:
-        return pid
-    code = 1
-    try:
-        os.setpgid(0, 0)
-        code = run_child(proc, request)
-    except BaseException:  # noqa: BLE001 - the child must never return into the server's loop
-        import traceback
-
-        traceback.print_exc()
-    finally:
-        os._exit(code)
+def _child_of_request(proc: dict, request: dict, server_env: dict[str, str]) -> int:
+    """A process of the test's request: /dev/null as stdin, the request's output files."""
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT
+    stdio = [os.open(os.devnull, os.O_RDONLY), os.open(request["stdout"], flags, 0o644),
+             os.open(request["stderr"], flags, 0o644)]
+    return run_as_main(proc["argv"], proc["env"], request["cwd"], stdio, server_env)
 
 
-def run_child(proc: dict, request: dict) -> int:
+def _child_of_hand_off(handed: dict, stdio: list[int], server_env: dict[str, str]) -> int:
+    """A handed-over run: the interpreter's standard streams, resource limits and umask."""
+    import resource
+
+    for name, limits in handed["limits"].items():
+        if resource.getrlimit(getattr(resource, name)) != tuple(limits):
+            resource.setrlimit(getattr(resource, name), tuple(limits))
+    os.umask(handed["umask"])
+    return run_as_main(handed["argv"], handed["env"], handed["cwd"], stdio, server_env)
+
+
+def run_as_main(argv: list[str], env: dict[str, str], cwd: str, stdio: list[int], server_env: dict[str, str]) -> int:
     """What `python ARGV` does after its imports, in this forked process."""
     import atexit
     import runpy
     import threading
     import traceback
 
-    devnull = os.open(os.devnull, os.O_RDONLY)
-    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT
-    os.dup2(devnull, 0)
-    os.dup2(os.open(request["stdout"], flags, 0o644), 1)
-    os.dup2(os.open(request["stderr"], flags, 0o644), 2)
-    os.chdir(request["cwd"])
-    server_path = os.environ.get("PYTHONPATH", "")
+    for target, fd in enumerate(stdio):
+        os.dup2(fd, target)
+    os.chdir(cwd)
     os.environ.clear()
-    os.environ.update(proc["env"])
-    if "OMP_NUM_THREADS" in proc["env"]:
+    os.environ.update(env)
+    if "OMP_NUM_THREADS" in env:
         # OpenMP read the variable when this interpreter loaded it; set what it would have read.
         import torch
 
-        torch.set_num_threads(int(proc["env"]["OMP_NUM_THREADS"]))
-    argv = proc["argv"]
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    if env.get("TORCH_LOGS") != server_env.get("TORCH_LOGS"):
+        import torch._logging._internal
+
+        torch._logging._internal._init_logs()  # what torch's import does with the variable
     # as the interpreter starts: the working directory (-m) or the script's folder first, then PYTHONPATH
     sys.path[0] = os.getcwd() if argv[0] == "-m" else os.path.dirname(os.path.abspath(argv[0]))
-    if os.environ.get("PYTHONPATH", "") != server_path:
-        sys.path[1:1] = [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if env.get("PYTHONPATH", "") != server_env.get("PYTHONPATH", ""):
+        sys.path[1:1] = [os.path.abspath(p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     code = 0
     try:
         if argv[0] == "-m":

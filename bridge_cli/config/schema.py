@@ -82,8 +82,10 @@ def root_fields() -> set[str]:
     return {f.name for f in dataclasses.fields(root_schema())}
 
 
+@functools.cache
 def register() -> None:
-    """Put the schemas where conf/config.yaml and conf/dataset/*.yaml expect them."""
+    """Put the schemas where conf/config.yaml and conf/dataset/*.yaml expect them (once a process: Hydra copies
+    what it loads)."""
     from hydra.core.config_store import ConfigStore
 
     store = ConfigStore.instance()

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, RUN_ENV, bridge
+from tests.conftest import REPO, bridge, run_env
 from tests.integration.test_checkpoint_resume import ARGS, losses, ok, reference, tracker  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.slow
@@ -48,8 +48,9 @@ def kill_plan(seed: int) -> list[tuple[str, int, float]]:
 
 def run_and_kill(args: list[str], root: Path, where: str, iteration: int, delay: float) -> str:
     """`bridge pretrain ARGS`, SIGKILLed (its whole process group, as a scheduler kills a job) at the
-    point described; its stdout."""
-    proc = subprocess.Popen([sys.executable, "-m", "bridge_cli", "pretrain", *args], cwd=REPO, env=RUN_ENV,
+    point described; its stdout. (The run is handed to the fork server, tests/fork_shim, which SIGKILLs it
+    as soon as the interpreter is gone: within 10 ms.)"""
+    proc = subprocess.Popen([sys.executable, "-m", "bridge_cli", "pretrain", *args], cwd=REPO, env=run_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)

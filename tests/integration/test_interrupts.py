@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, RUN_ENV
+from tests.conftest import REPO, run_env
 
 pytestmark = pytest.mark.slow
 
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 def start(save: Path) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "bridge_cli", "pretrain", "recipe=tiny", "train.train_iters=100000",
                              f"checkpoint.save={save}", "logger.log_interval=1", "train.eval_iters=0"],
-                            cwd=REPO, env=RUN_ENV, text=True,
+                            cwd=REPO, env=run_env(), text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO, _free_port
+from tests.conftest import REPO, _free_port, run_env
 from tests.integration.test_pretrain_cpu import SHORT, losses
 
 pytestmark = pytest.mark.slow
@@ -19,7 +19,7 @@ def two_nodes(*args: str) -> list[subprocess.CompletedProcess]:
     nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
                                "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "bridge-test",
                                "-m", "bridge_cli", "pretrain", *args],
-                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                              cwd=REPO, env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for _ in range(2)]
     results = []
     for node in nodes:

@@ -40,7 +40,7 @@ def test_ci_runs_the_readme_install_and_test_commands():
 def test_readme_main_job_runs_as_written_and_the_loss_falls():
     command = section_commands("Set up")[1]
     assert command == "bridge pretrain recipe=tiny"
-    result = run("bash", "-c", command, env=SCRIPTS_FIRST)
+    result = run("bash", "-c", command, env=SCRIPTS_FIRST, hand_off=False)  # a user's first launch, from scratch
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
     assert re.search(r"^iteration 100/100 ", out, re.M)

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO, bridge
+from tests.conftest import REPO, bridge, run_env
 
 
 def test_a_second_run_on_a_folder_in_use_stops_naming_the_holder(tmp_path):
@@ -43,7 +43,7 @@ def test_a_failed_save_names_the_folder_and_keeps_the_last_checkpoint(tmp_path):
     assert first.returncode == 0, first.stderr[-2000:]
     # a real write failure: a file-size limit makes the shard writes fail (Python ignores SIGXFSZ)
     limited = subprocess.run(["bash", "-c", 'ulimit -f 500; exec "$@"', "bash", sys.executable, "-m", "bridge_cli",
-                              "pretrain", *args], capture_output=True, text=True, cwd=REPO, timeout=600)
+                              "pretrain", *args], capture_output=True, text=True, cwd=REPO, env=run_env(), timeout=600)
     assert limited.returncode == 1, limited.stderr[-3000:]
     error = limited.stderr.strip().splitlines()[-1]
     assert error.startswith(f"error: saving iteration 20 into {folder} failed: ") and "Traceback" not in limited.stderr

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, RUN_ENV, _free_port
+from tests.conftest import REPO, _free_port, run_env
 
 pytestmark = pytest.mark.slow
 
@@ -43,7 +43,8 @@ def sbatch(template: str, tmp_path: Path, *args: str) -> subprocess.CompletedPro
     for name, body in (("srun", SRUN), ("scontrol", SCONTROL), ("squeue", SQUEUE)):
         (bin_dir / name).write_text(body)
         (bin_dir / name).chmod(0o755)
-    env = {**RUN_ENV, "PATH": f"{bin_dir}:{Path(sys.executable).parent}:{RUN_ENV['PATH']}",
+    env = run_env()
+    env = {**env, "PATH": f"{bin_dir}:{Path(sys.executable).parent}:{env['PATH']}",
            "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "bridge", "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "node[1-2]",
            "SLURM_SUBMIT_DIR": str(REPO), "GPUS_PER_NODE": "1", "RDZV_PORT": str(_free_port()),
            "LOG_DIR": str(tmp_path / "logs"), "PYTHON": sys.executable, "REQUEUED": str(tmp_path / "requeued")}
