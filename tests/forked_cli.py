@@ -17,13 +17,15 @@ import) can be a fork (`ForkedCli.can_fork`); the caller starts any other as a f
 so every run where a GPU is visible or BRIDGE_TEST_FRESH_PROCESSES=1 is set. The server reads one
 JSON request per line on stdin and writes one JSON reply per line.
 
-Processes the tests do not start themselves (torchrun's workers, the `bridge` of a README command or a
-Slurm template, the conversion a training run starts) are real interpreters that hand their run over
-at start-up (tests/fork_shim/sitecustomize.py, on the PYTHONPATH that `ForkedCli.hand_off_env` gives):
-they send their argv, environment, working directory, resource limits and standard streams to the
-server's socket, the server forks the run with those streams, and the interpreter forwards the signals
-it gets to that fork and exits with its exit status. Where the server cannot stand for the process (its
-environment differs in a variable read at import, say) the interpreter carries on as a fresh one.
+Bridge processes that are not started through a request (torchrun's workers, the `bridge` of a README
+command or a Slurm template, the conversion a training run starts, a run a test signals) are real
+interpreters that hand their run over at start-up (tests/fork_shim/sitecustomize.py, on the PYTHONPATH
+that `ForkedCli.hand_off_env` gives): they send their argv, environment, working directory, resource
+limits and standard streams to the server's socket, the server forks the run with those streams, and
+the interpreter forwards the signals it gets to that fork and exits with its exit status; if the
+interpreter is SIGKILLed, the server SIGKILLs the fork at once. Where the server cannot stand for the
+process (its environment differs in a variable read at import, say) the interpreter carries on as a
+fresh one.
 """
 
 from __future__ import annotations
