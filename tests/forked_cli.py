@@ -213,12 +213,18 @@ class Server:
         """Start every process of the test's ``request``; ``reap`` replies once all have ended."""
         sys.stdout.flush()
         sys.stderr.flush()
-        children = [self.fork(lambda proc=proc: _child_of_request(proc, request, self.env)) for proc in request["procs"]]
+        children = [self.fork(lambda proc=proc: _child_of_request(proc, request, self.env))
+                    for proc in request["procs"]]
         self.request = {"children": children, "codes": {}, "deadline": time.monotonic() + request["timeout"]}
 
     def take_over(self, conn: socket.socket) -> None:
         """Fork the run of the interpreter at the other end of ``conn``, or tell it to carry on itself."""
-        message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+        conn.settimeout(30)  # it sends as soon as it connects; one that died in between must not stop the loop
+        try:
+            message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+        except OSError:
+            conn.close()
+            return
         handed = json.loads(message)
         reason = self.cannot_stand_for(handed)
         if reason or len(fds) != 3:
@@ -267,9 +273,11 @@ class Server:
             done, status = os.waitpid(pid, os.WNOHANG)
             if done:
                 conn = self.handed.pop(pid)
-                if conn in (key.fileobj for key in self.selector.get_map().values()):
-                    self.selector.unregister(conn)
+                self.selector.unregister(conn)
+                try:
                     conn.send(json.dumps({"exit": os.waitstatus_to_exitcode(status)}).encode())
+                except OSError:
+                    pass  # the interpreter died as its run ended
                 conn.close()
         if self.request is None:
             return

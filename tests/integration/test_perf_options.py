@@ -21,14 +21,8 @@ def eager():
     return bridge("pretrain", *RUN)
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    """The compiled runs' cache folder (XDG_CACHE_HOME): the first fills it, the later ones reuse its kernels."""
-    return tmp_path_factory.mktemp("cache")
-
-
-def test_compiled_layers_and_loss_train_like_eager_and_save_the_same_checkpoint(eager, cache, tmp_path):
-    ckpt = tmp_path / "ckpt"
+def test_compiled_layers_and_loss_train_like_eager_and_save_the_same_checkpoint(eager, tmp_path):
+    ckpt, cache = tmp_path / "ckpt", tmp_path / "cache"
     compiled = bridge("pretrain", *RUN, "model.compile_layers=true", f"checkpoint.save={ckpt}",
                       "checkpoint.save_interval=3",
                       env={"TORCH_LOGS": "dynamo,graph_breaks,recompiles", "XDG_CACHE_HOME": str(cache)})
@@ -56,13 +50,13 @@ def test_a_backend_the_cpu_lacks_is_refused_in_one_paragraph():
     assert "model.sdpa_backend=auto" in result.stderr
 
 
-def test_compiled_layers_with_the_fused_linear_cross_entropy_and_full_recompute_match_eager(eager, cache):
+def test_compiled_layers_with_the_fused_linear_cross_entropy_and_full_recompute_match_eager(eager):
     # the chunks' passes between the GEMMs compile (one graph each, reused by every chunk of the same size); a
     # recomputed layer runs forward without gradients, then again with them (its one recompile, for grad mode)
     compiled = bridge("pretrain", *RUN, "model.compile_layers=true", "model.fused_linear_cross_entropy=true",
                       "model.linear_cross_entropy_chunk=128", "model.recompute_granularity=full",
                       "model.recompute_method=uniform", "model.recompute_num_layers=1",
-                      env={"TORCH_LOGS": "graph_breaks,recompiles", "XDG_CACHE_HOME": str(cache)})
+                      env={"TORCH_LOGS": "graph_breaks,recompiles"})
     assert compiled.returncode == 0, compiled.stderr[-3000:]
     assert losses(compiled.stdout) == pytest.approx(losses(eager.stdout), rel=1e-3)
     assert "Graph break" not in compiled.stderr, compiled.stderr[-3000:]
@@ -72,9 +66,9 @@ def test_compiled_layers_with_the_fused_linear_cross_entropy_and_full_recompute_
     assert "GLOBAL_STATE changed: grad_mode" in compiled.stderr
 
 
-def test_compiled_layers_and_loss_under_tensor_parallelism_match_one_process(eager, cache):
+def test_compiled_layers_and_loss_under_tensor_parallelism_match_one_process(eager):
     # the compiled loss holds the vocab-parallel cross entropy's all-reduces
     compiled = torchrun(2, "pretrain", *RUN, "model.tensor_model_parallel_size=2",
-                        "model.compile_layers=true", env={"XDG_CACHE_HOME": str(cache)})
+                        "model.compile_layers=true")
     assert compiled.returncode == 0, compiled.stderr[-3000:]
     assert losses(compiled.stdout) == pytest.approx(losses(eager.stdout), rel=1e-3)
