@@ -65,9 +65,11 @@ SOCKET_VARIABLE = "BRIDGE_TEST_FORK_SOCKET"
 SHIM = Path(__file__).resolve().parent / "fork_shim"
 
 
-def forkable(env: dict[str, str], base: dict[str, str]) -> bool:
-    """Whether a fork of a process started with ``base`` can stand for one started with ``env``."""
-    return all(RUN_TIME_VARIABLES.fullmatch(key) for key in set(env) | set(base) if env.get(key) != base.get(key))
+def import_time_differences(env: dict[str, str], base: dict[str, str]) -> list[str]:
+    """The variables that keep a fork of a process started with ``base`` from standing for one started with
+    ``env``: those whose values differ, less the ones read only at run time."""
+    return sorted(key for key in set(env) | set(base)
+                  if env.get(key) != base.get(key) and not RUN_TIME_VARIABLES.fullmatch(key))
 
 
 class ForkedCli:
@@ -108,7 +110,7 @@ class ForkedCli:
     def can_fork(self, envs: list[dict[str, str]]) -> bool:
         if os.environ.get("BRIDGE_TEST_FRESH_PROCESSES") == "1" or _gpu_visible():
             return False
-        return all(forkable(env, self._env) for env in envs)
+        return not any(import_time_differences(env, self._env) for env in envs)
 
     def _ask(self, request: dict) -> dict:
         if self._server is None or self._server.poll() is not None:
@@ -243,11 +245,8 @@ class Server:
     def cannot_stand_for(self, handed: dict) -> str | None:
         if os.path.realpath(handed["executable"]) != os.path.realpath(sys.executable):
             return f"another interpreter ({handed['executable']})"
-        if not forkable(handed["env"], self.env):
-            differ = sorted(k for k in set(handed["env"]) | set(self.env) if handed["env"].get(k) != self.env.get(k)
-                            and not RUN_TIME_VARIABLES.fullmatch(k))
-            return f"its environment differs in {', '.join(differ)}"
-        return None
+        differ = import_time_differences(handed["env"], self.env)
+        return f"its environment differs in {', '.join(differ)}" if differ else None
 
     def fork(self, child) -> int:
         pid = os.fork()

@@ -42,6 +42,7 @@ def _hand_off(path: str, argv: list[str]) -> None:
         conn.close()
         return
     pid = reply["pid"]
+
     def forward(number, _frame):
         try:
             os.kill(pid, number)
@@ -61,5 +62,7 @@ def _hand_off(path: str, argv: list[str]) -> None:
     os._exit(code)
 
 
-if os.environ.get("BRIDGE_TEST_FORK_SOCKET") and _bridge_argv() is not None:
-    _hand_off(os.environ["BRIDGE_TEST_FORK_SOCKET"], _bridge_argv())
+_SOCKET = os.environ.get("BRIDGE_TEST_FORK_SOCKET")  # forked_cli.SOCKET_VARIABLE (no import of tests/ here)
+_ARGV = _bridge_argv() if _SOCKET else None
+if _ARGV is not None:
+    _hand_off(_SOCKET, _ARGV)
