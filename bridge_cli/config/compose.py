@@ -4,10 +4,14 @@ Uses Hydra's compose API (no ``@hydra.main``, no change of working directory). T
 joins the ``recipe`` config group of ``conf/config.yaml`` through a temporary search-path root
 that holds only that file, so a shipped name, a ``--recipes-dir`` entry and a path all compose
 the same way. Every Hydra/OmegaConf failure becomes a ConfigError naming the full key or file.
+The defaults list's composition is kept per process (about 0.25 s; the value overrides on a copy
+of it, 0.05 s).
 """
 
 from __future__ import annotations
 
+import copy
+import functools
 import re
 import tempfile
 from pathlib import Path
@@ -143,45 +147,79 @@ def _translate(err: Exception, recipe: recipes.Recipe | None) -> ConfigError:
 GLOBAL_PACKAGE = "# @package _global_"
 
 
-def _stage_recipe(recipe: recipes.Recipe, folder: Path) -> None:
-    """Put the recipe where Hydra finds it, as a global config: a user's file needs no header line."""
+def _staged_text(recipe: recipes.Recipe) -> str:
+    """The recipe as Hydra gets it, a global config: a user's file needs no header line."""
     text = recipe.path.read_text()
     header = re.search(r"^#\s*@package\s+(\S+)", text, flags=re.M)
     if header is None:
-        text = f"{GLOBAL_PACKAGE}\n{text}"
-    elif header.group(1) != "_global_":
+        return f"{GLOBAL_PACKAGE}\n{text}"
+    if header.group(1) != "_global_":
         raise ConfigError("recipe", f"{recipe.path} declares '# @package {header.group(1)}', so its keys would not "
                           "land at the top level.", f"Delete that line (or write '{GLOBAL_PACKAGE}').")
-    (folder / f"{recipe.name}.yaml").write_text(text)
+    return text
 
 
 def compose(recipe_name: str | None, overrides: list[str], recipes_dirs: list[Path] | None = None) -> DictConfig:
-    """The composed, schema-checked (unresolved) config of one run."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
+    """The composed, schema-checked (unresolved) config of one run.
+
+    Hydra composes the defaults list (the group options, the recipe) and applies the value overrides
+    (``section.key=value``) after it, with the same function; the first part is kept per recipe text
+    and group overrides, so a process that composes again (a run from a Hugging Face folder, the Python
+    API, the tests) pays only the second.
+    """
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl  # Hydra 1.3 (pinned): what its compose calls
     from hydra.errors import HydraException
 
     schema.register()
     recipe = recipes.find(recipe_name, recipes_dirs) if recipe_name else None
     if recipe is not None:
         _check_yaml(recipe.path, str(recipe.path))
-    with tempfile.TemporaryDirectory(prefix="bridge-recipe-") as root:
-        hydra_overrides = list(overrides)
-        if recipe is not None:
-            (Path(root) / "recipe").mkdir()
-            _stage_recipe(recipe, Path(root) / "recipe")
-            hydra_overrides = [f"hydra.searchpath=[file://{root}]", f"recipe={recipe.name}", *overrides]
-        try:
-            with initialize_config_dir(config_dir=str(recipes.conf_dir()), version_base=None):
-                cfg = hydra_compose("config", overrides=hydra_overrides)
-        except (HydraException, OmegaConfBaseException) as err:
-            raise _translate(err, recipe) from err
+    try:
+        groups, values = _split(overrides)
+        cfg = copy.deepcopy(_compose_defaults(recipe.name if recipe else None,
+                                              _staged_text(recipe) if recipe else None, groups))
+        ConfigLoaderImpl._apply_overrides_to_config(values, cfg)
+    except (HydraException, OmegaConfBaseException) as err:
+        raise _translate(err, recipe) from err
     _reject_unknown_keys(cfg)
     try:
         OmegaConf.resolve(cfg)
     except OmegaConfBaseException as err:
         raise _interpolation_error(cfg, err, recipe, overrides) from err
     return cfg
+
+
+def _split(overrides: list[str]) -> tuple[tuple[str, ...], list]:
+    """The overrides that shape the defaults list (group options, Hydra's own keys: no dot, or
+    ``hydra...``), as written, and the parsed value overrides, checked as Hydra checks them first."""
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.types import RunMode
+
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    ConfigLoaderImpl.validate_sweep_overrides_legal(parsed, RunMode.RUN, from_shell=False)
+    groups, values = [], []
+    for override in parsed:
+        is_value = override.package is None and "." in override.key_or_group and not override.is_hydra_override()
+        (values if is_value else groups).append(override)
+    return tuple(o.input_line for o in groups), values
+
+
+@functools.lru_cache(maxsize=16)
+def _compose_defaults(recipe_name: str | None, recipe_text: str | None, groups: tuple[str, ...]) -> DictConfig:
+    """Hydra's composition of the defaults list; the recipe joins the ``recipe`` group from a temporary
+    search-path root that holds only its text. Callers copy the result."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    with tempfile.TemporaryDirectory(prefix="bridge-recipe-") as root:
+        hydra_overrides = list(groups)
+        if recipe_name is not None:
+            (Path(root) / "recipe").mkdir()
+            (Path(root) / "recipe" / f"{recipe_name}.yaml").write_text(recipe_text)
+            hydra_overrides = [f"hydra.searchpath=[file://{root}]", f"recipe={recipe_name}", *groups]
+        with initialize_config_dir(config_dir=str(recipes.conf_dir()), version_base=None):
+            return hydra_compose("config", overrides=hydra_overrides)
 
 
 def _interpolation_error(cfg: DictConfig, err: OmegaConfBaseException, recipe: recipes.Recipe | None,

@@ -63,6 +63,21 @@ def test_recipe_value_beats_preset(tmp_path):
     assert c.model.bf16 and not c.ddp.grad_reduce_in_fp32
 
 
+def test_composing_again_in_one_process_sees_an_edited_recipe_and_none_of_the_last_overrides(tmp_path):
+    # the defaults list's composition is kept per recipe text and group options (config/compose.py)
+    path = tmp_path / "mine.yaml"
+    path.write_text(recipes.find("tiny").path.read_text())
+    first = compose(str(path), ["optimizer.lr=0.5"])
+    assert first.optimizer.lr == 0.5
+    first.train.train_iters = 7  # a caller's edit of its config reaches no later compose
+    again = compose(str(path), [])
+    assert again.optimizer.lr == 3.0e-3 and again.train.train_iters != 7
+    path.write_text(path.read_text().replace("lr: 3.0e-3", "lr: 2.0e-3"))
+    assert compose(str(path), []).optimizer.lr == 2.0e-3
+    assert compose(str(path), ["optimizer=sgd"]).optimizer.optimizer == "sgd"
+    assert compose(str(path), []).optimizer.optimizer == "adam"
+
+
 def test_megatron_core_fields_settable_by_name_and_resolved():
     c = container("tiny", "model.init_method_std=0.01", "model.activation_func=gelu", "optimizer.adam_beta2=0.99",
                   "ddp.bucket_size=1000")
