@@ -12,13 +12,17 @@ import os
 import sys
 
 
+BRIDGE_MODULES = ("bridge_cli", "tests.integration.pause_before_publish")
+"""What ``-m`` may name: bridge, and bridge with a save held open (for a kill -9 inside it)."""
+
+
 def _bridge_argv() -> list[str] | None:
     """``sys.orig_argv`` less the interpreter, if it runs bridge (-u is all the options it may have)."""
     argv = sys.orig_argv[1:]
     if argv[:1] == ["-u"]:
         argv = argv[1:]
-    if argv[:2] == ["-m", "bridge_cli"] or (argv and not argv[0].startswith("-")
-                                            and os.path.basename(argv[0]) == "bridge"):
+    if (argv[:1] == ["-m"] and argv[1:2] and argv[1] in BRIDGE_MODULES) or (
+            argv and not argv[0].startswith("-") and os.path.basename(argv[0]) == "bridge"):
         return argv
     return None
 

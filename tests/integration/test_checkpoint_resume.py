@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import REPO, RUN_ENV, bridge, run, run_env, torchrun
+from tests.conftest import REPO, bridge, run, run_env, torchrun
 
 ARGS = ["recipe=tiny", "train.train_iters=40", "logger.log_interval=1", "train.eval_iters=0"]
 LOSS = re.compile(r"^iteration\s+(\d+)/\d+ .*\| lm loss ([0-9.]+) ", re.M)
@@ -49,10 +49,11 @@ def kill_when_paused(args: list[str], paused_dir: Path) -> str:
     it there; its stdout.
 
     The whole process group is killed, as a scheduler kills a job: megatron-core's checkpoint writer
-    leaves helper processes (a multiprocessing manager) that would otherwise outlive the run.
+    leaves helper processes (a multiprocessing manager) that would otherwise outlive the run. The
+    interpreter hands its run to the fork server (run_env), which kills the fork's group with it.
     """
     proc = subprocess.Popen([sys.executable, "-m", "tests.integration.pause_before_publish",
-                             str(int(paused_dir.name[5:12])), "pretrain", *args], cwd=REPO, env=RUN_ENV,
+                             str(int(paused_dir.name[5:12])), "pretrain", *args], cwd=REPO, env=run_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.time() + 120
     while not (paused_dir / "run_config.yaml").exists():  # written last, just before the rename
