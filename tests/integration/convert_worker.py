@@ -37,33 +37,34 @@ def main() -> None:
     tokens = torch.load(args.tokens)
     checkpoints = {name: layout.require_checkpoint(Path(folder)).path
                    for name, folder in (item.split("=", 1) for item in args.ckpt)}
+    values = {name: mcore_io.saved_model_values(path) for name, path in checkpoints.items()}  # read once
     for tp in args.tp:
-        for etp in sorted({expert_tp(path, tp) for path in checkpoints.values()}):
+        for etp in sorted({expert_tp(values[name], tp) for name in checkpoints}):
             mcore_io.init_process(tp, expert_tensor_parallel_size=etp)
             for name, path in checkpoints.items():
-                if expert_tp(path, tp) == etp:
-                    run(name, path, tokens, args.out, f"tp{tp}", args.resave and tp == max(args.tp),
+                if expert_tp(values[name], tp) == etp:
+                    run(name, path, values[name], tokens, args.out, f"tp{tp}", args.resave and tp == max(args.tp),
                         tensor_model_parallel_size=tp, expert_tensor_parallel_size=etp)
     for ep in args.ep:
         mcore_io.init_process(1, ep)
         for name, path in checkpoints.items():
-            if mcore_io.saved_model_values(path).get("num_moe_experts"):
-                run(name, path, tokens, args.out, f"ep{ep}", args.resave, expert_model_parallel_size=ep)
+            if values[name].get("num_moe_experts"):
+                run(name, path, values[name], tokens, args.out, f"ep{ep}", args.resave, expert_model_parallel_size=ep)
     dist.barrier()
 
 
-def expert_tp(path: Path, tp: int) -> int:
-    """The expert tensor-parallel size to load checkpoint ``path`` at under TP ``tp``: the same, but 1 for
-    experts with biases (GPT-OSS), which megatron-core computes at expert TP 1 only."""
-    model = mcore_io.saved_model_values(path)
+def expert_tp(model: dict, tp: int) -> int:
+    """The expert tensor-parallel size to load a checkpoint of ``model`` (its saved model values) at under TP
+    ``tp``: the same, but 1 for experts with biases (GPT-OSS), which megatron-core computes at expert TP 1 only."""
     return 1 if model.get("num_moe_experts") and model.get("add_bias_linear") else tp
 
 
-def run(name: str, path: Path, tokens: torch.Tensor, out: Path, layout_name: str, resave_it: bool, **sizes) -> None:
-    """Load checkpoint ``path`` under the parallel ``sizes``; write its logits (and, with ``resave_it``, the
-    checkpoint in that layout)."""
+def run(name: str, path: Path, model_values: dict, tokens: torch.Tensor, out: Path, layout_name: str,
+        resave_it: bool, **sizes) -> None:
+    """Load checkpoint ``path`` (of ``model_values``) under the parallel ``sizes``; write its logits (and, with
+    ``resave_it``, the checkpoint in that layout)."""
     # parallel_output=False gathers the vocabulary shards of the logits onto every rank
-    config = mcore_io.model_config(mcore_io.saved_model_values(path), parallel_output=False, **sizes)
+    config = mcore_io.model_config(model_values, parallel_output=False, **sizes)
     model = mcore_io.build_model(config)
     mcore_io.load_weights(model, config, path)
     model.eval()
