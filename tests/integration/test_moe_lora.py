@@ -9,7 +9,7 @@ import pytest
 from tests.conftest import bridge, torchrun
 from tests.integration.test_pretrain_cpu import losses
 
-RUN = ["recipe=tiny_moe", "train.eval_iters=0", "logger.log_interval=1"]
+RUN = ["recipe=tiny_moe", "train.eval_iters=0", "logger.log_interval=1", "model.moe_grouped_gemm=false"]
 
 
 @pytest.fixture(scope="module")
