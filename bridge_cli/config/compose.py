@@ -32,15 +32,18 @@ MAX_RECIPE_BYTES = 1 << 20
 MAX_RECIPE_NODES = 100_000
 
 
-def _check_yaml(path: Path, label: str) -> None:
+def _read_recipe(path: Path, label: str) -> str:
+    """The recipe file's text, once it is known to be a page of settings."""
     try:
         if path.stat().st_size > MAX_RECIPE_BYTES:
             raise ConfigError(None, f"{label}: {path.stat().st_size} bytes, more than a recipe may hold "
                               f"({MAX_RECIPE_BYTES}).", "A recipe holds settings, not data; point to data by path.")
-        nodes = _expanded_size(yaml.safe_load(path.read_text()), {}, set())
+        text = path.read_text()
+        nodes = _expanded_size(yaml.safe_load(text), {}, set())
         if nodes > MAX_RECIPE_NODES:
             raise ConfigError(None, f"{label}: its anchors and aliases expand to {nodes} values, more than a recipe "
                               f"may hold ({MAX_RECIPE_NODES}).", "Write the settings out instead of nesting aliases.")
+        return text
     except RecursionError:
         raise ConfigError(None, f"{label}: nested too deeply to load.", "Flatten the file.") from None
     except ValueError as err:
@@ -147,9 +150,8 @@ def _translate(err: Exception, recipe: recipes.Recipe | None) -> ConfigError:
 GLOBAL_PACKAGE = "# @package _global_"
 
 
-def _staged_text(recipe: recipes.Recipe) -> str:
-    """The recipe as Hydra gets it, a global config: a user's file needs no header line."""
-    text = recipe.path.read_text()
+def _staged_text(recipe: recipes.Recipe, text: str) -> str:
+    """The recipe's ``text`` as Hydra gets it, a global config: a user's file needs no header line."""
     header = re.search(r"^#\s*@package\s+(\S+)", text, flags=re.M)
     if header is None:
         return f"{GLOBAL_PACKAGE}\n{text}"
@@ -172,12 +174,12 @@ def compose(recipe_name: str | None, overrides: list[str], recipes_dirs: list[Pa
 
     schema.register()
     recipe = recipes.find(recipe_name, recipes_dirs) if recipe_name else None
+    name, text = None, None
     if recipe is not None:
-        _check_yaml(recipe.path, str(recipe.path))
+        name, text = recipe.name, _staged_text(recipe, _read_recipe(recipe.path, str(recipe.path)))
     try:
         groups, values = _split(overrides)
-        cfg = copy.deepcopy(_compose_defaults(recipe.name if recipe else None,
-                                              _staged_text(recipe) if recipe else None, groups))
+        cfg = copy.deepcopy(_compose_defaults(name, text, groups))
         ConfigLoaderImpl._apply_overrides_to_config(values, cfg)
     except (HydraException, OmegaConfBaseException) as err:
         raise _translate(err, recipe) from err
