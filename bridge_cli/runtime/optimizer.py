@@ -10,8 +10,8 @@ makes it build fp32 wrappers whose norm, clipping and loss scale run on the CPU 
 
 Without Transformer Engine or Apex, megatron-core builds torch's Adam with default arguments,
 which on CUDA means the foreach kernels; ``optimizer.use_torch_fused_adam`` makes it fused. Its
-gradient norm then waits for the GPU once per gradient; :mod:`~bridge_cli.runtime.grad_norm` replaces
-it with one that does not.
+gradient norm then waits for the GPU once per gradient and its clip makes two passes over every
+gradient; :mod:`~bridge_cli.runtime.grad_norm` replaces both.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from bridge_cli.runtime.errors import RuntimeUnavailable
-from bridge_cli.runtime.grad_norm import use_sync_free_grad_norm
+from bridge_cli.runtime.grad_norm import use_foreach_clip_grads
 
 if TYPE_CHECKING:
     from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig
@@ -34,7 +34,7 @@ def build_optimizer(
     from megatron.core.optimizer import get_megatron_optimizer
 
     if runtime.is_cuda:
-        use_sync_free_grad_norm()
+        use_foreach_clip_grads()
         optimizer = get_megatron_optimizer(optimizer_config, model_chunks)
         apply_adam_kernel_choice(optimizer, optimizer_config, runtime.is_cuda)
         return optimizer
