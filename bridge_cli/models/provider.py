@@ -39,6 +39,9 @@ class GPTModelProvider(MLATransformerConfig):
     gradient_accumulation_fusion: bool = False
     """Add each weight gradient into the fp32 main_grad inside its GEMM (Apex's kernel, else torch.addmm; grouped experts: a Triton kernel); with model.sequence_parallel, CUDA only."""
 
+    fused_single_qkv_rope: bool = False
+    """Split the fused QKV projection and rotate queries and keys by RoPE in one kernel each way: Transformer Engine's, else bridge's (Triton on CUDA, torch ops on the CPU); RoPE without q/k norms or packed sequences."""
+
     spec: Optional[str] = None
     """Layer spec: te (Transformer Engine), local (megatron-core's own) or torch (SDPA / FlexAttention); None picks te if importable, else torch."""
 

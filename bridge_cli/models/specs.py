@@ -16,6 +16,9 @@
 (:mod:`bridge_cli.models.moe_experts`) instead of megatron-core's per-expert ``SequentialMLP``;
 ``SequentialMLP`` experts with biases get :mod:`bridge_cli.models.expert_linear`'s ``linear_fc2``.
 
+``model.fused_single_qkv_rope=true`` splits the QKV projection and applies RoPE with Transformer Engine's
+kernel where it has one, else :mod:`bridge_cli.models.qkv_rope`'s, on every spec.
+
 ``model.fp8`` on ``local`` and ``torch`` runs the attention and MLP linears as FP8 GEMMs
 (:mod:`bridge_cli.models.fp8_linear`).
 
@@ -95,6 +98,10 @@ def layer_spec(name: str, config: TransformerConfig, vp_stage: Optional[int] = N
         layers = [spec]
     if getattr(config, "qk_layernorm_across_heads", False):
         _use_projection_norms(layers)
+    if config.fused_single_qkv_rope:  # Transformer Engine's where it has one
+        from bridge_cli.models import qkv_rope
+
+        qkv_rope.install()
     if use_te:
         return spec
     if config.num_moe_experts:

@@ -10,8 +10,8 @@ result once, as it does with Transformer Engine's kernel.
 
 When the norm is above ``optimizer.clip_grad``, its fallback scale ``local_multi_tensor_scale`` writes
 ``grad * coefficient`` to a new tensor and copies it back, gradient by gradient: two passes over every
-fp32 gradient (8 ms a step for the 1.5B proxy's 1.5B on one H100, docs/performance.md). Here it is one
-in-place ``torch._foreach_mul_``.
+fp32 gradient and a temporary the size of the largest. Here it is one in-place ``torch._foreach_mul_``
+(a 4-layer proxy on one H100: 2.8 -> 2.3 ms of kernels a step; on the whole proxy within the noise).
 """
 
 from __future__ import annotations

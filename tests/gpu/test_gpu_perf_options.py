@@ -143,3 +143,41 @@ def test_triton_cross_entropy_kernels_equal_float64(dtype, vocab, first):
     in_place = cross_entropy._grad_logits(spent, labels, first, log_sum_exp.float(), upstream, True)
     assert in_place.data_ptr() == spent.data_ptr() and spent._version > version
     torch.testing.assert_close(in_place, grad, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_fused_qkv_rope_trains_like_megatron_cores_split_and_rope(default_curve, compiled):
+    """model.fused_single_qkv_rope (bridge's Triton kernels, no Transformer Engine) against the default curve."""
+    fused = curve("model.fused_single_qkv_rope=true", f"model.compile_layers={str(compiled).lower()}")
+    assert fused == pytest.approx(default_curve, rel=1e-2)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("tokens, groups, q_per_group, head, rotary, per_token", [
+    (4096 * 2, 8, 4, 64, 64, False),  # the 1.5B proxy's shape
+    (37 * 3, 2, 3, 80, 40, True),  # a partial rotary dimension, one angle row per token, tokens no block divides
+    (64, 1, 1, 96, 96, False),  # one group, a head size no power of two
+    (128, 2, 4, 128, 128, False),  # llama8b's head
+])
+def test_fused_qkv_rope_kernels_equal_float64(dtype, tokens, groups, q_per_group, head, rotary, per_token):
+    """The forward and backward Triton kernels against the torch ops' math in float64."""
+    import torch
+
+    from bridge_cli.models import qkv_rope
+
+    torch.manual_seed(0)
+    batch = 3 if tokens % 3 == 0 else 2
+    seq = tokens // batch
+    mixed = torch.randn(seq, batch, groups, (q_per_group + 2) * head, device="cuda").to(getattr(torch, dtype))
+    angles = torch.rand(seq, batch if per_token else 1, 1, rotary // 2, device="cuda") * seq
+    freqs = torch.cat([angles, angles], dim=-1)
+    outputs = torch.ops.bridge.qkv_rope(mixed, freqs, q_per_group)
+    cpu = (mixed.double().cpu(), freqs.double().cpu())
+    expected = qkv_rope.qkv_rope(*cpu, q_per_group)
+    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == "float32" else dict(rtol=1.6e-2, atol=1.6e-2)
+    for got, want in zip(outputs, expected):
+        torch.testing.assert_close(got.double().cpu(), want, **tolerance)
+    grads = [torch.randn_like(t) for t in outputs]
+    grad_mixed = torch.ops.bridge.qkv_rope_backward(*grads, freqs)
+    want = qkv_rope.qkv_rope_backward(*(g.double().cpu() for g in grads), cpu[1])
+    torch.testing.assert_close(grad_mixed.double().cpu(), want, **tolerance)

@@ -16,19 +16,20 @@ def check_document_attention(cfg) -> None:
     the one whose attention masks each document; another spec would let documents see each other."""
     from bridge_cli.models.specs import default_spec_name
 
-    data = cfg.dataset
-    if hasattr(data, "packed_sequence_specs"):  # the fine-tuning dataset
-        key = "dataset.packed_sequence_specs.packed_sequence_size"
-        documents = data.packed_sequence_specs.packed_sequence_size > 0
-        fix = "or unpack the samples (dataset.packed_sequence_specs.packed_sequence_size=-1)"
-    else:
-        key = "dataset.reset_attention_mask"
-        documents = getattr(data, "reset_attention_mask", False)
-        fix = "or set dataset.reset_attention_mask=false"
+    documents, key, fix = document_rows(cfg.dataset)
     spec = cfg.model.spec or default_spec_name()
     if documents and spec != "torch":
         raise ConfigError(key, f"masks attention per document, which only the torch layer spec does "
                           f"(model.spec={spec}).", f"Set model.spec=torch, {fix}.")
+
+
+def document_rows(data) -> tuple[bool, str, str]:
+    """Whether the dataset's rows hold several documents, the key that says so, and how to turn it off."""
+    if hasattr(data, "packed_sequence_specs"):  # the fine-tuning dataset
+        return (data.packed_sequence_specs.packed_sequence_size > 0, "dataset.packed_sequence_specs.packed_sequence_size",
+                "or unpack the samples (dataset.packed_sequence_specs.packed_sequence_size=-1)")
+    return (getattr(data, "reset_attention_mask", False), "dataset.reset_attention_mask",
+            "or set dataset.reset_attention_mask=false")
 
 
 def check_context_parallel(cfg) -> None:
