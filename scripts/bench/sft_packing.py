@@ -23,8 +23,9 @@ from pathlib import Path
 
 from compare_mcore import ITER_LINE, run
 
+# megatron-core's fused QKV RoPE takes no packed sequences: both rows run the split and RoPE unfused
 COMMON = ["tokenizer=byte_level", "model.spec=torch", "train.eval_iters=0", "logger.log_interval=1",
-          "dataset.num_workers=2"]
+          "dataset.num_workers=2", "model.fused_single_qkv_rope=false"]
 
 
 def write_records(folder: Path, count: int, seq: int) -> None:
