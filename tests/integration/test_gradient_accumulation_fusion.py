@@ -28,6 +28,17 @@ def test_fused_weight_gradients_train_as_autograds_eager_and_compiled():
     assert "Graph break" not in runs[2].stderr, runs[2].stderr[-3000:]
 
 
+@pytest.mark.slow
+def test_fused_weight_gradients_of_biased_linears_train_as_autograds():
+    """GPT-2-style linears with biases (the bias gradient is the backward's column sum)."""
+    biased = ["model.add_bias_linear=true"]
+    runs = [bridge("pretrain", *RUN, *biased, *extra) for extra in ([], FUSION)]
+    for run in runs:
+        assert run.returncode == 0, run.stderr[-3000:]
+    reference, fused = (losses(run.stdout) for run in runs)
+    assert len(reference) == 4 and fused == pytest.approx(reference, rel=1e-5)
+
+
 LAYOUTS = {
     "tp2": ["model.tensor_model_parallel_size=2", "model.share_embeddings_and_output_weights=false"],
     # the wrapper's hooks launch each bucket's all-reduce once its gradients are in: the flagged weights count
