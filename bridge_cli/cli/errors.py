@@ -25,11 +25,13 @@ def user_errors() -> tuple[type[BaseException], ...]:
 
 
 def run_failures() -> tuple[type[BaseException], ...]:
-    """Failures of a valid run that need no traceback either: training diverged, a save failed."""
+    """Failures of a valid run that need no traceback either: training diverged, a save failed, a step did
+    not fit the GPU."""
     from bridge_cli.checkpoint.errors import SaveFailed
     from bridge_cli.logging.training_logger import TrainingDiverged
+    from bridge_cli.runtime.errors import OutOfGPUMemory
 
-    return (TrainingDiverged, SaveFailed)
+    return (TrainingDiverged, SaveFailed, OutOfGPUMemory)
 
 
 def report(err: BaseException) -> None:

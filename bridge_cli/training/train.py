@@ -18,6 +18,7 @@ from bridge_cli.logging.training_logger import TrainingDiverged, TrainingLogger
 from bridge_cli.training.forward_step_func_types import ForwardStepCallable
 from bridge_cli.training.profiling import StepProfiler
 from bridge_cli.runtime.collectives import is_last_rank, on_any_rank, weights_match_across_dp_replicas
+from bridge_cli.runtime.errors import OutOfGPUMemory
 from bridge_cli.training import rerun
 from bridge_cli.training.losses import grad_norm_is_finite, reduce_loss_dict
 from bridge_cli.training.state import GlobalState
@@ -301,8 +302,11 @@ def train(forward_step_func: ForwardStepCallable, model: list, optimizer, schedu
             update_num_microbatches(ts.consumed_train_samples, consistency_check=False)
             batch_size = get_current_global_batch_size()
             profiler.before_step(ts.step + 1)
-            loss_dict, skipped, should_checkpoint, should_exit, step_exit_code, grad_norm, num_zeros = train_step(
-                step_func, train_data_iterator, model, optimizer, scheduler, global_state)
+            try:
+                loss_dict, skipped, should_checkpoint, should_exit, step_exit_code, grad_norm, num_zeros = train_step(
+                    step_func, train_data_iterator, model, optimizer, scheduler, global_state)
+            except torch.OutOfMemoryError as err:
+                raise OutOfGPUMemory.during_step(err, ts.step + 1, train_cfg, cfg.model) from err
             if should_exit:
                 _stop_for_the_rerun_state_machine(global_state, model, optimizer, scheduler, checkpointing_context,
                                                   train_data_iterator, should_checkpoint, step_exit_code)

@@ -1,5 +1,6 @@
 """Features whose GPU path differs from the CPU one: NVML energy, CUDA timers, the profiler's GPU time
-breakdown, LoRA in bf16 with the distributed optimizer, and a Hugging Face import trained in bf16."""
+breakdown, LoRA in bf16 with the distributed optimizer, a Hugging Face import trained in bf16, and what a
+step that does not fit the GPU prints."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
 
 def test_energy_and_timers_are_reported():
-    result = bridge("pretrain", "recipe=gpt2_124m", "train.global_batch_size=64", "train.train_iters=10",
+    result = bridge("pretrain", "recipe=gpt2_124m", "train.micro_batch_size=64", "train.global_batch_size=64", "train.train_iters=10",
                     "logger.log_interval=5", "train.eval_iters=0", "logger.log_energy=true", "logger.timing_log_level=1")
     assert result.returncode == 0, result.stderr[-3000:]
     readings = re.findall(r"\| energy/gpu ([0-9.]+) J/iter \| power/gpu ([0-9]+) W", result.stdout)
@@ -23,8 +24,17 @@ def test_energy_and_timers_are_reported():
     assert "(min, max) time across ranks (ms):" in result.stdout and "forward-backward" in result.stdout
 
 
+def test_a_step_that_does_not_fit_the_gpu_ends_with_the_settings_that_free_memory():
+    result = bridge("pretrain", "recipe=gpt2_124m", "train.micro_batch_size=4096", "train.global_batch_size=4096",
+                    "train.train_iters=2", "train.eval_iters=0", "model.compile_layers=false")
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "iteration 1: the GPU ran out of memory (CUDA out of memory. Tried to allocate" in result.stderr
+    assert "train.micro_batch_size (now 4096" in result.stderr and "model.recompute_granularity" in result.stderr
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+
+
 def test_profiler_breaks_the_gpu_time_down_by_kernel_kind(tmp_path):
-    result = bridge("pretrain", "recipe=gpt2_124m", "train.global_batch_size=64", "train.train_iters=4",
+    result = bridge("pretrain", "recipe=gpt2_124m", "train.micro_batch_size=64", "train.global_batch_size=64", "train.train_iters=4",
                     "train.eval_iters=0", "profiling.use_pytorch_profiler=true", "profiling.profile_step_start=2",
                     "profiling.profile_step_end=3", f"logger.tensorboard_dir={tmp_path}")
     assert result.returncode == 0, result.stderr[-3000:]

@@ -17,7 +17,7 @@ def gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-@pytest.mark.parametrize("recipe, extra", [("llama1b", []), ("gpt2_124m", ["train.global_batch_size=64"])])
+@pytest.mark.parametrize("recipe, extra", [("llama1b", []), ("gpt2_124m", ["train.micro_batch_size=64", "train.global_batch_size=64"])])
 def test_recipe_trains_in_bf16_and_loss_falls(recipe, extra):
     result = bridge("pretrain", f"recipe={recipe}", *SHORT, *extra)
     assert result.returncode == 0, result.stderr[-3000:]
