@@ -52,6 +52,7 @@ PROXY_OVERRIDES = [
     "train.eval_iters=0", "logger.log_interval=1", "scheduler.lr_warmup_iters=1", "scheduler.lr_decay_iters=1000",
     "dataset.num_workers=2", "model.gradient_accumulation_fusion=false",  # bare megatron-core has no Apex for it
     "model.cross_entropy_fusion_impl=native",  # bare megatron-core's loss; llama1b's triton one is a lever
+    "model.fused_single_qkv_rope=false",  # bare megatron-core's split and RoPE; llama1b's fused one is a lever
 ]
 
 
