@@ -26,8 +26,8 @@ class Gemma(LlamaLike):
              "scale_embeddings": True}
 
     def model_fields(self, hf: Mapping[str, Any], where: Path, seq_length: Optional[int] = None) -> dict[str, Any]:
-        return {**super().model_fields(hf, where, seq_length), "layernorm_zero_centered_gamma": True,
-                "scale_embeddings": True, "share_embeddings_and_output_weights": bool(hf.get("tie_word_embeddings", True))}
+        return {**super().model_fields(hf, where, seq_length),
+                "share_embeddings_and_output_weights": bool(hf.get("tie_word_embeddings", True))}
 
     def activation(self, hf: Mapping[str, Any], where: Path) -> str:
         act = hf.get("hidden_act") or ACTIVATIONS[0]

@@ -63,8 +63,7 @@ class Gemma3(LlamaLike):
 
     def model_fields(self, hf: Mapping[str, Any], where: Path, seq_length: Optional[int] = None) -> dict[str, Any]:
         fields = {**super().model_fields(hf, where, seq_length),
-                  "qk_layernorm": True, "layernorm_zero_centered_gamma": True, "post_sublayer_norm": True,
-                  "scale_embeddings": True, "softmax_scale": float(hf.get("query_pre_attn_scalar", 256)) ** -0.5,
+                  "softmax_scale": float(hf.get("query_pre_attn_scalar", 256)) ** -0.5,
                   "share_embeddings_and_output_weights": bool(hf.get("tie_word_embeddings", True)),
                   **{key: _soft_cap(hf.get(key, default), key, where) for key, default in self.softcap_defaults.items()}}
         layers = layer_types(hf, fields["num_layers"], where, self.window_pattern)

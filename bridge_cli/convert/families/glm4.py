@@ -25,10 +25,6 @@ class Glm4(Phi3):
     fixed = {**Phi3.fixed, "add_qkv_bias": True, "post_sublayer_norm": True, "rotary_interleaved": True}
     post_norms = ("post_self_attn_layernorm", "post_mlp_layernorm")
 
-    def model_fields(self, hf: Mapping[str, Any], where: Path, seq_length: Optional[int] = None) -> dict[str, Any]:
-        return {**super().model_fields(hf, where, seq_length), "add_qkv_bias": True, "post_sublayer_norm": True,
-                "rotary_interleaved": True}
-
     def check(self, hf: Mapping[str, Any], where: Path) -> None:
         if not hf.get("attention_bias", True):
             unsupported(where, "attention_bias false: this family fixes the q/k/v biases on")

@@ -63,8 +63,7 @@ class GptOss(MoELike, LlamaLike):
 
     def model_fields(self, hf: Mapping[str, Any], where: Path, seq_length: Optional[int] = None) -> dict[str, Any]:
         fields = {**super().model_fields(hf, where, seq_length),
-                  "add_bias_linear": True, "position_embedding_type": "yarn", "softmax_type": "learnable",
-                  "glu_linear_offset": 1.0, "activation_func_clamp_value": float(hf.get("swiglu_limit", 7.0)),
+                  "activation_func_clamp_value": float(hf.get("swiglu_limit", 7.0)),
                   # megatron-core computes biased experts at expert TP 1 only, and bridge's grouped-GEMM
                   # experts (without Transformer Engine) take no biases
                   "expert_tensor_parallel_size": 1, "moe_grouped_gemm": False}

@@ -84,15 +84,19 @@ class LlamaLike:
             "activation_func": activation,
             "gated_linear_unit": True,
             "add_bias_linear": False,
-            "add_qkv_bias": self.fixed["add_qkv_bias"],
             "qk_layernorm": self.fixed["qk_layernorm"],
             "position_embedding_type": "rope",
+            **self.own_fixed(),
             "rotary_percent": self.rotary_percent(hf, where),
             **self.rope_fields(hf, where),
             "hidden_dropout": 0.0,
             "attention_dropout": float(hf.get("attention_dropout", 0.0)),
             "init_method_std": float(hf.get("initializer_range", 0.02)),
         }
+
+    def own_fixed(self) -> dict[str, Any]:
+        """The fixed fields where this family departs from the Llama layout (LLAMA_STYLE), which its recipes set."""
+        return {key: value for key, value in self.fixed.items() if key not in LLAMA_STYLE or LLAMA_STYLE[key] != value}
 
     def activation(self, hf: Mapping[str, Any], where: Path) -> str:
         """model.activation_func for config.json's activation."""

@@ -84,7 +84,6 @@ class MoELike(LlamaLike):
             "moe_router_load_balancing_type": "aux_loss",
             "moe_aux_loss_coeff": float(hf.get("router_aux_loss_coef") or 0.0),
             "moe_router_dtype": None,
-            **{key: self.fixed[key] for key in MOE_FIXED if key in self.fixed},
             **self.router_fields(hf, where, topk),
         }
 

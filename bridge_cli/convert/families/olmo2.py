@@ -3,8 +3,7 @@ and an RMSNorm over each token's whole query and key projections (as OLMoE's).""
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping
 
 from bridge_cli.convert.families.llama_like import LlamaLike, across_heads_qk_norms
 from bridge_cli.convert.hf_weights import Architecture, Pair
@@ -25,10 +24,6 @@ class Olmo2(LlamaLike):
              "pre_sublayer_norm": False}
     pre_norms = None
     post_norms = ("post_attention_layernorm", "post_feedforward_layernorm")
-
-    def model_fields(self, hf: Mapping[str, Any], where: Path, seq_length: Optional[int] = None) -> dict[str, Any]:
-        return {**super().model_fields(hf, where, seq_length), "qk_layernorm": True,
-                "qk_layernorm_across_heads": True, "post_sublayer_norm": True, "pre_sublayer_norm": False}
 
     def hf_extras(self, model: Mapping[str, Any]) -> dict[str, Any]:
         return {"attention_bias": False}

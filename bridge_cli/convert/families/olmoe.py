@@ -26,9 +26,6 @@ class Olmoe(MoELike, LlamaLike):
               "routing; tensor parallelism needs num_key_value_heads to be a multiple of the TP size")
     fixed = moe_fixed(LlamaLike.fixed, qk_layernorm=True, qk_layernorm_across_heads=True)
 
-    def model_fields(self, hf: Mapping[str, Any], where: Path, seq_length=None) -> dict[str, Any]:
-        return {**super().model_fields(hf, where, seq_length), "qk_layernorm_across_heads": True}
-
     def check(self, hf: Mapping[str, Any], where: Path) -> None:
         super().check(hf, where)
         if hf.get("clip_qkv") is not None:

@@ -29,9 +29,8 @@ class Starcoder2(LlamaLike):
     norm_bias = True
 
     def model_fields(self, hf: Mapping[str, Any], where: Path, seq_length: Optional[int] = None) -> dict[str, Any]:
-        return {**super().model_fields(hf, where, seq_length), "normalization": "LayerNorm",
-                "layernorm_epsilon": float(hf.get("norm_epsilon", 1e-5)), "gated_linear_unit": False,
-                "add_bias_linear": True, "bias_activation_fusion": False}
+        return {**super().model_fields(hf, where, seq_length), "layernorm_epsilon": float(hf.get("norm_epsilon", 1e-5)),
+                "bias_activation_fusion": False}
 
     def activation(self, hf: Mapping[str, Any], where: Path) -> str:
         if hf.get("hidden_act", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
