@@ -11,7 +11,8 @@ makes it build fp32 wrappers whose norm, clipping and loss scale run on the CPU 
 Without Transformer Engine or Apex, megatron-core builds torch's Adam with default arguments,
 which on CUDA means the foreach kernels; ``optimizer.use_torch_fused_adam`` makes it fused. Its
 gradient norm then waits for the GPU once per gradient and its clip makes two passes over every
-gradient; :mod:`~bridge_cli.runtime.grad_norm` replaces both.
+gradient; :mod:`~bridge_cli.runtime.grad_norm` replaces both, and with fused Adam the clip is the kernel's
+``grad_scale``.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from bridge_cli.runtime.errors import RuntimeUnavailable
-from bridge_cli.runtime.grad_norm import use_foreach_clip_grads
+from bridge_cli.runtime.grad_norm import clip_inside_fused_adam, use_foreach_clip_grads
 
 if TYPE_CHECKING:
     from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig
@@ -80,6 +81,7 @@ def use_fused_adam(optimizer: MegatronOptimizer) -> None:
             continue
         for group in (inner.defaults, *inner.param_groups):
             group["fused"], group["foreach"] = True, False
+        clip_inside_fused_adam(inner)
         for param, state in inner.state.items():
             if isinstance(state.get("step"), torch.Tensor):
                 state["step"] = state["step"].to(device=param.device, dtype=torch.float32)

@@ -71,3 +71,54 @@ def test_on_the_gpu_it_equals_megatron_cores_fallback_without_waiting():
         torch.cuda.set_sync_debug_mode("default")
     expected, _ = local_multi_tensor_l2_norm(2048 * 32, None, [grads], False)
     torch.testing.assert_close(norm, expected, rtol=1e-5, atol=0)
+
+
+def _twin_parameters():
+    generator = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(shape, generator=generator)) for shape in [(8, 4), (3,)]]
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    for p, twin in zip(params, twins):
+        p.grad = torch.randn(p.shape, generator=generator)
+        twin.grad = p.grad.clone()
+    return params, twins
+
+
+def test_a_fused_adam_takes_the_clip_coefficient_as_its_grad_scale():
+    """Scaling in place then stepping (megatron-core's order) and stepping with the kept coefficient agree."""
+    from megatron.core.utils import local_multi_tensor_scale
+
+    from bridge_cli.runtime.grad_norm import clip_inside_fused_adam
+
+    scaled, kept = _twin_parameters()
+    first = torch.optim.AdamW(scaled, lr=0.1, fused=True)
+    second = torch.optim.AdamW(kept, lr=0.1, fused=True)
+    clip_inside_fused_adam(second)
+    grads = [p.grad for p in scaled]
+    local_multi_tensor_scale(2048 * 32, None, [grads, grads], 0.3)
+    before = [p.grad.clone() for p in kept]
+    grads = [p.grad for p in kept]
+    multi_tensor_scale(2048 * 32, None, [grads, grads], 0.3)
+    assert all(torch.equal(p.grad, b) for p, b in zip(kept, before))  # kept, not applied yet
+    first.step()
+    second.step()
+    assert second.grad_scale is not None and second.grad_scale.item() == pytest.approx(1 / 0.3)
+    for a, b in zip(scaled, kept):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    second.step()  # a step with nothing kept runs without a scale
+    assert second.grad_scale is None
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_gradients_no_fused_adam_steps_are_scaled_in_place(fused):
+    from bridge_cli.runtime.grad_norm import clip_inside_fused_adam
+
+    owned, other = _twin_parameters()
+    optimizer = torch.optim.AdamW(owned, lr=0.1, fused=fused)
+    clip_inside_fused_adam(optimizer)
+    grads = [owned[0].grad, other[0].grad]  # one gradient of the optimizer's, one of no fused Adam's
+    expected = [g * 0.5 for g in grads]
+    multi_tensor_scale(2048 * 32, None, [grads, grads], 0.5)
+    for got, want in zip(grads, expected):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    optimizer.step()
+    assert optimizer.grad_scale is None
