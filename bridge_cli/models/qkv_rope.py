@@ -12,8 +12,8 @@ With ``fused_single_qkv_rope`` megatron-core hands the unsplit projection to Tra
 :func:`apply_fused_qkv_rotary_pos_emb` from here. The forward reads each token's projection once and
 writes the rotated query and key and the value, in the ``[s, b, heads, head]`` layout the attention takes;
 the backward reads their three gradients once and writes the projection's: 0.17 ms a layer and micro-batch
-there, the proxy's step 542 -> 529 ms and 1.25 GiB less at its peak (docs/performance.md). Angles come from megatron-core's
-table (``[s, 1, 1, rotary dim]`` or one row per token), cos and sin computed in fp32 once per token and
+there, the proxy's step 542 -> 529 ms and 1.25 GiB less at its peak (docs/performance.md). Angles come from
+megatron-core's table (``[s, 1, 1, rotary dim]`` or one row per token), cos and sin computed in fp32 once per token and
 group of heads; a rotary dimension below the head's (``rotary_percent``) leaves the rest of each head as it
 is. On CUDA both passes are Triton kernels; elsewhere (the CPU) the same math runs as torch ops.
 
@@ -48,7 +48,7 @@ def apply_fused_qkv_rotary_pos_emb(mixed_qkv: torch.Tensor, q_freqs: torch.Tenso
 @torch.library.custom_op("bridge::qkv_rope", mutates_args=())
 def qkv_rope(mixed_qkv: torch.Tensor, freqs: torch.Tensor, q_per_group: int) -> tuple[torch.Tensor, torch.Tensor,
                                                                                       torch.Tensor]:
-    """Split ``mixed_qkv`` and rotate its query and key heads by ``freqs`` (see :func:`apply_fused_qkv_rotary_pos_emb`)."""
+    """Split ``mixed_qkv``, rotate its query and key heads by ``freqs`` (:func:`apply_fused_qkv_rotary_pos_emb`)."""
     mixed_qkv, freqs = mixed_qkv.contiguous(), _angles(freqs)
     if mixed_qkv.is_cuda and triton_available():
         query, key, value = _empty_outputs(mixed_qkv, q_per_group)
@@ -144,14 +144,10 @@ def _launch(backward: int, mixed: torch.Tensor, freqs: torch.Tensor, query: torc
         return
     rot = freqs.shape[-1]
     rows_per_angle = b if freqs.shape[1] == 1 else 1  # one angle row per position, or per token
-    grid = (triton_cdiv(tokens, BLOCK_TOKENS), groups)
+    grid = (-(-tokens // BLOCK_TOKENS), groups)
     _kernel()[grid](mixed, freqs, query, key, value, tokens, rows_per_angle, groups, q_per_group,
                     HEAD=head, HALF=rot // 2, HEAD_P=_pow2(head), HALF_P=_pow2(rot // 2), PASS=head - rot,
                     PASS_P=_pow2(max(head - rot, 1)), BACKWARD=backward, BLOCK=BLOCK_TOKENS, num_warps=WARPS)
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _pow2(n: int) -> int:
@@ -165,7 +161,7 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def qkv_rope(mixed_ptr, freqs_ptr, q_ptr, k_ptr, v_ptr, tokens, rows_per_angle, groups, q_per_group,
+    def split_rotate(mixed_ptr, freqs_ptr, q_ptr, k_ptr, v_ptr, tokens, rows_per_angle, groups, q_per_group,
                  HEAD: tl.constexpr, HALF: tl.constexpr, HEAD_P: tl.constexpr, HALF_P: tl.constexpr,
                  PASS: tl.constexpr, PASS_P: tl.constexpr, BACKWARD: tl.constexpr, BLOCK: tl.constexpr):
         """BLOCK tokens of one query group: its query heads and key head rotated, its value head copied."""
@@ -211,7 +207,7 @@ def _kernel():
         else:
             tl.store(v_ptr + kv_rows + head_cols, tl.load(v_slot + head_cols, mask=whole), mask=whole)
 
-    return qkv_rope
+    return split_rotate
 
 
 def check(cfg) -> None:

@@ -65,7 +65,8 @@ def _is_fused(optimizer: torch.optim.Optimizer) -> bool:
 
 
 def _grads(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    return [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None and p.grad.numel()]
+    return [p.grad for group in optimizer.param_groups for p in group["params"]
+            if p.grad is not None and p.grad.numel()]
 
 
 def _fused_adam_grads() -> set[int]:

@@ -26,7 +26,8 @@ def check_document_attention(cfg) -> None:
 def document_rows(data) -> tuple[bool, str, str]:
     """Whether the dataset's rows hold several documents, the key that says so, and how to turn it off."""
     if hasattr(data, "packed_sequence_specs"):  # the fine-tuning dataset
-        return (data.packed_sequence_specs.packed_sequence_size > 0, "dataset.packed_sequence_specs.packed_sequence_size",
+        key = "dataset.packed_sequence_specs.packed_sequence_size"
+        return (data.packed_sequence_specs.packed_sequence_size > 0, key,
                 "or unpack the samples (dataset.packed_sequence_specs.packed_sequence_size=-1)")
     return (getattr(data, "reset_attention_mask", False), "dataset.reset_attention_mask",
             "or set dataset.reset_attention_mask=false")
