@@ -24,6 +24,7 @@ import yaml
 from bridge_cli.checkpoint.errors import CheckpointError
 from bridge_cli.convert import families, hf_config
 from bridge_cli.convert.hf_files import SafetensorsFolder, check_output_free, staged
+from bridge_cli.models.attention.config_checks import model_blockers
 
 RECIPE = "recipe.yaml"
 
@@ -104,10 +105,14 @@ def recipe_text(base, fields: dict, hf_dir: Path, out_dir: Path, model_type: str
             model["sequence_parallel"] = True
     if pipeline_parallel > 1:
         model["pipeline_model_parallel_size"] = pipeline_parallel
-    recipe["model"] = model
-    recipe["checkpoint"] = {**(recipe.get("checkpoint") or {}), "pretrained_checkpoint": str(out_dir.resolve())}
     header = (f"# @package _global_\n# {model_type} imported from {hf_dir.resolve()} by `bridge convert-ckpt "
               f"import-hf`; training settings from recipe {base.name}.\n")
+    blockers = model_blockers(types.SimpleNamespace(**model)) if model.get("fused_single_qkv_rope") else []
+    if blockers:  # a speed option of the base recipe that this family's attention cannot take
+        model["fused_single_qkv_rope"] = False
+        header += f"# model.fused_single_qkv_rope of {base.name} is off here: {'; '.join(blockers)}.\n"
+    recipe["model"] = model
+    recipe["checkpoint"] = {**(recipe.get("checkpoint") or {}), "pretrained_checkpoint": str(out_dir.resolve())}
     return header + yaml.safe_dump(recipe, sort_keys=False)
 
 

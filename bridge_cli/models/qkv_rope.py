@@ -17,8 +17,8 @@ megatron-core's table (``[s, 1, 1, rotary dim]`` or one row per token), cos and 
 group of heads; a rotary dimension below the head's (``rotary_percent``) leaves the rest of each head as it
 is. On CUDA both passes are Triton kernels; elsewhere (the CPU) the same math runs as torch ops.
 
-megatron-core takes this path only with RoPE and without packed sequences or q/k norms; :func:`check`
-refuses the rest before a model is built.
+megatron-core takes this path only with RoPE and without packed sequences or q/k norms;
+:func:`~bridge_cli.models.attention.config_checks.check_fused_qkv_rope` refuses the rest before a model is built.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ import functools
 
 import torch
 
-from bridge_cli.config.errors import ConfigError
 from bridge_cli.models.triton_support import available as triton_available
 
 BLOCK_TOKENS = 32
@@ -208,29 +207,6 @@ def _kernel():
             tl.store(v_ptr + kv_rows + head_cols, tl.load(v_slot + head_cols, mask=whole), mask=whole)
 
     return split_rotate
-
-
-def check(cfg) -> None:
-    """Refuse ``model.fused_single_qkv_rope`` where megatron-core would not take the fused path (its attention
-    asserts at the first step) or the path would not apply the model's RoPE."""
-    from bridge_cli.models.attention.config_checks import document_rows
-
-    model = cfg.model
-    if not model.fused_single_qkv_rope:
-        return
-    documents, key, _ = document_rows(cfg.dataset)
-    reasons = [
-        (model.position_embedding_type != "rope", f"model.position_embedding_type={model.position_embedding_type} "
-         "(it rotates by plain RoPE angles: no YaRN scale)"),
-        (model.multi_latent_attention, "model.multi_latent_attention=true (its attention has its own RoPE)"),
-        (model.qk_layernorm or model.qk_l2_norm, "q/k norms (they run between the split and RoPE)"),
-        (model.rotary_interleaved, "model.rotary_interleaved=true (it rotates the two halves of each head)"),
-        (documents, f"{key} (megatron-core takes the fused path without packed sequences only)"),
-    ]
-    found = [reason for hit, reason in reasons if hit]
-    if found:
-        raise ConfigError("model.fused_single_qkv_rope", f"cannot be combined with {'; '.join(found)}.",
-                          "Set model.fused_single_qkv_rope=false.")
 
 
 def install() -> None:

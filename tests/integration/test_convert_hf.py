@@ -421,6 +421,24 @@ def test_conversions_refuse_a_non_empty_output_folder(cli, hf_dirs, imported, tm
 
 
 @pytest.mark.slow
+def test_an_import_keeps_the_base_recipes_fused_qkv_rope_where_the_family_takes_it(cli, hf_dirs, tmp_path):
+    """A base recipe with model.fused_single_qkv_rope (as llama1b's; this one trains on the CPU): a family with
+    q/k norms (Qwen3) or interleaved RoPE (GLM-4) cannot take it, so its recipe turns it off and says why, where
+    validation would refuse the recipe."""
+    (tmp_path / "fused.yaml").write_text("# @package _global_\ndefaults:\n  - override /model: llama\n  - _self_\n"
+                                         "model:\n  fused_single_qkv_rope: true\ntrain:\n  train_iters: 10\n")
+    for name, kept in (("llama", True), ("qwen3", False), ("glm4", False)):
+        result = cli("convert-ckpt", "import-hf", str(hf_dirs[name]), str(tmp_path / name), "--recipe", "fused",
+                     "--recipes-dir", str(tmp_path))
+        assert result.exit_code == 0, result.stderr[-3000:]
+        text = (tmp_path / name / "recipe.yaml").read_text()
+        assert yaml.safe_load(text)["model"]["fused_single_qkv_rope"] is kept
+        assert ("model.fused_single_qkv_rope of fused is off here" in text) is not kept
+    assert "q/k norms" in (tmp_path / "qwen3" / "recipe.yaml").read_text()
+    assert "rotary_interleaved=true" in (tmp_path / "glm4" / "recipe.yaml").read_text()
+
+
+@pytest.mark.slow
 def test_export_refuses_a_model_transformers_cannot_hold(cli, imported, tmp_path):
     ckpt = tmp_path / "gpt"
     shutil.copytree(imported["mistral"], ckpt)

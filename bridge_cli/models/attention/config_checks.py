@@ -1,4 +1,5 @@
-"""Config rules of the torch spec's attention (documents, context parallelism), checked before any model is built."""
+"""Config rules of the torch spec's attention (documents, context parallelism) and of the fused QKV RoPE
+(:mod:`bridge_cli.models.qkv_rope`), checked before any model is built."""
 
 from __future__ import annotations
 
@@ -47,3 +48,32 @@ def check_context_parallel(cfg) -> None:
         raise ConfigError("dataset.skip_getting_attention_mask_from_dataset", "must stay true with "
                           f"model.context_parallel_size={cp}: the attention cannot cut a dense [s, s] mask.",
                           "Use dataset.reset_attention_mask=true for per-document masks instead.")
+
+
+def check_fused_qkv_rope(cfg) -> None:
+    """Refuse ``model.fused_single_qkv_rope`` where megatron-core would not take the fused path (its attention
+    asserts at the first step) or the path would not apply the model's RoPE."""
+    if not cfg.model.fused_single_qkv_rope:
+        return
+    documents, key, _ = document_rows(cfg.dataset)
+    found = model_blockers(cfg.model) + ([f"{key} (megatron-core takes the fused path without packed sequences "
+                                          "only)"] if documents else [])
+    if found:
+        raise ConfigError("model.fused_single_qkv_rope", f"cannot be combined with {'; '.join(found)}.",
+                          "Set model.fused_single_qkv_rope=false.")
+
+
+def model_blockers(model) -> list[str]:
+    """The model settings (attributes, megatron-core's defaults where absent) that keep it off the fused path."""
+    position = getattr(model, "position_embedding_type", "learned_absolute")
+    norms = getattr(model, "qk_layernorm", False) or getattr(model, "qk_l2_norm", False)
+    reasons = [
+        (position != "rope", f"model.position_embedding_type={position} (it rotates by plain RoPE angles: "
+                             "no YaRN scale)"),
+        (getattr(model, "multi_latent_attention", False), "model.multi_latent_attention=true (its attention has "
+                                                          "its own RoPE)"),
+        (norms, "q/k norms (they run between the split and RoPE)"),
+        (getattr(model, "rotary_interleaved", False), "model.rotary_interleaved=true (it rotates the two halves of "
+                                                      "each head)"),
+    ]
+    return [reason for hit, reason in reasons if hit]
