@@ -124,10 +124,12 @@ def _load_recipe(recipe: Path, fields: dict, world_size: int):
     """
     from bridge_cli.config.compose import compose
     from bridge_cli.config.errors import ConfigError
+    from bridge_cli.runtime.device_rules import needs_cuda
     from bridge_cli.training.config import ConfigContainer
 
     cfg = ConfigContainer.from_yaml_dict(compose(str(recipe), []))
-    cfg.validate(world_size)
+    # for the device the recipe trains on: a GPU recipe's import runs on a CPU node too
+    cfg.validate(world_size, "cuda" if needs_cuda(cfg) else None)
     model = cfg.run_record()["model"]
     for key, value in fields.items():
         if model[key] != value:

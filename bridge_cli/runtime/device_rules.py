@@ -42,6 +42,11 @@ CPU_OPTIMIZERS = ("adam", "sgd")
 """megatron-core optimizers whose CPU build bridge supports (runtime/cpu_optimizer.py)."""
 
 
+def needs_cuda(cfg) -> bool:
+    """Whether ``cfg`` sets anything only the GPU path honours (a GPU recipe)."""
+    return any(enabled(cfg) for _, enabled, _ in CUDA_ONLY)
+
+
 def default_device() -> str:
     """``cuda`` where a GPU is visible, else ``cpu``."""
     import torch

@@ -421,19 +421,18 @@ def test_conversions_refuse_a_non_empty_output_folder(cli, hf_dirs, imported, tm
 
 
 @pytest.mark.slow
-def test_an_import_keeps_the_base_recipes_fused_qkv_rope_where_the_family_takes_it(cli, hf_dirs, tmp_path):
-    """A base recipe with model.fused_single_qkv_rope (as llama1b's; this one trains on the CPU): a family with
-    q/k norms (Qwen3) or interleaved RoPE (GLM-4) cannot take it, so its recipe turns it off and says why, where
-    validation would refuse the recipe."""
-    (tmp_path / "fused.yaml").write_text("# @package _global_\ndefaults:\n  - override /model: llama\n  - _self_\n"
-                                         "model:\n  fused_single_qkv_rope: true\ntrain:\n  train_iters: 10\n")
+def test_an_import_onto_a_gpu_recipe_runs_on_the_cpu_and_keeps_its_fused_qkv_rope_where_the_family_takes_it(
+        cli, hf_dirs, tmp_path):
+    """The README's `import-hf ... --recipe llama1b` on a machine without a GPU: the written recipe is checked for
+    the GPU it trains on. llama1b sets model.fused_single_qkv_rope; a family with q/k norms (Qwen3) or interleaved
+    RoPE (GLM-4) cannot take it, so its recipe turns it off and says why, where validation would refuse it."""
     for name, kept in (("llama", True), ("qwen3", False), ("glm4", False)):
-        result = cli("convert-ckpt", "import-hf", str(hf_dirs[name]), str(tmp_path / name), "--recipe", "fused",
-                     "--recipes-dir", str(tmp_path))
+        result = cli("convert-ckpt", "import-hf", str(hf_dirs[name]), str(tmp_path / name), "--recipe", "llama1b")
         assert result.exit_code == 0, result.stderr[-3000:]
         text = (tmp_path / name / "recipe.yaml").read_text()
+        assert "override /mixed_precision: bf16_mixed" in text
         assert yaml.safe_load(text)["model"]["fused_single_qkv_rope"] is kept
-        assert ("model.fused_single_qkv_rope of fused is off here" in text) is not kept
+        assert ("model.fused_single_qkv_rope of llama1b is off here" in text) is not kept
     assert "q/k norms" in (tmp_path / "qwen3" / "recipe.yaml").read_text()
     assert "rotary_interleaved=true" in (tmp_path / "glm4" / "recipe.yaml").read_text()
 
