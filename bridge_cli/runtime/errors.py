@@ -6,14 +6,36 @@ class RuntimeUnavailable(Exception):
 
 
 class OutOfGPUMemory(RuntimeError):
-    """A training step did not fit the GPU; the message says what torch tried and which settings free memory."""
+    """The model, its optimizer or a training step did not fit the GPU; the message says what torch tried and
+    which settings free memory."""
 
     @classmethod
-    def during_step(cls, err: BaseException, step: int, train, model) -> "OutOfGPUMemory":
-        """From torch's ``OutOfMemoryError`` at ``step``, with the run's ``train`` and ``model`` sections."""
-        tried = str(err).split(" Including non-PyTorch memory", 1)[0].strip()  # the sizes, without the advice
-        layout = (f"model.tensor_model_parallel_size (now {model.tensor_model_parallel_size}) or "
-                  f"model.pipeline_model_parallel_size (now {model.pipeline_model_parallel_size})")
-        return cls(f"iteration {step}: the GPU ran out of memory ({tried}). Lower train.micro_batch_size (now "
-                   f"{train.micro_batch_size}; train.global_batch_size stays {train.global_batch_size}), set "
-                   f"model.recompute_granularity=selective, or split the model over more GPUs with {layout}.")
+    def during_step(cls, err: BaseException, step: int, train, model, optimizer) -> "OutOfGPUMemory":
+        """From torch's ``OutOfMemoryError`` at ``step``, with the run's ``train``, ``model`` and ``optimizer``."""
+        smaller = (f"Lower train.micro_batch_size (now {train.micro_batch_size}; train.global_batch_size stays "
+                   f"{train.global_batch_size}), set" if train.micro_batch_size > 1 else "Set")
+        return cls(f"iteration {step}: the GPU ran out of memory ({_tried(err)}). {smaller} "
+                   f"model.recompute_granularity=selective, {_sharding(optimizer)}or split the model over more GPUs "
+                   f"with {_layout(model)}.")
+
+    @classmethod
+    def during_setup(cls, err: BaseException, model, optimizer) -> "OutOfGPUMemory":
+        """From torch's ``OutOfMemoryError`` while the model, its optimizer or a checkpoint was put on the GPU."""
+        sharding = _sharding(optimizer)
+        return cls(f"the model and its optimizer state do not fit the GPU ({_tried(err)}): "
+                   f"{sharding + 'or ' if sharding else ''}split the model over more GPUs with {_layout(model)}.")
+
+
+def _tried(err: BaseException) -> str:
+    """torch's out-of-memory message without its advice: what it tried to allocate and what was free."""
+    return str(err).split(" Including non-PyTorch memory", 1)[0].strip()
+
+
+def _sharding(optimizer) -> str:
+    return ("" if optimizer.use_distributed_optimizer else
+            "set optimizer.use_distributed_optimizer=true (the optimizer state sharded over data-parallel ranks), ")
+
+
+def _layout(model) -> str:
+    return (f"model.tensor_model_parallel_size (now {model.tensor_model_parallel_size}) or "
+            f"model.pipeline_model_parallel_size (now {model.pipeline_model_parallel_size})")

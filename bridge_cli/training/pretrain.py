@@ -72,13 +72,19 @@ def pretrain(config: ConfigContainer, forward_step_func: ForwardStepCallable) ->
     ``checkpoint.save_interval`` iterations, before an early exit, and once more at the end.
     Exits the process only when the rerun state machine asks.
     """
+    import torch
+
+    from bridge_cli.runtime.errors import OutOfGPUMemory
     from bridge_cli.training.setup import setup
     from bridge_cli.training.train import _run_evaluation, save_checkpoint_and_time, train
     from bridge_cli.logging.training_logger import TrainingLogger
     from bridge_cli.runtime.collectives import is_last_rank
 
     with run_session(config) as state:
-        out = setup(state, checkpointing_context={})
+        try:
+            out = setup(state, checkpointing_context={})
+        except torch.OutOfMemoryError as err:
+            raise OutOfGPUMemory.during_setup(err, config.model, config.optimizer) from err
         if is_last_rank():
             print(_describe(state, out.model), flush=True)
             print(out.startup.summary(), flush=True)

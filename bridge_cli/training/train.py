@@ -306,7 +306,7 @@ def train(forward_step_func: ForwardStepCallable, model: list, optimizer, schedu
                 loss_dict, skipped, should_checkpoint, should_exit, step_exit_code, grad_norm, num_zeros = train_step(
                     step_func, train_data_iterator, model, optimizer, scheduler, global_state)
             except torch.OutOfMemoryError as err:
-                raise OutOfGPUMemory.during_step(err, ts.step + 1, train_cfg, cfg.model) from err
+                raise OutOfGPUMemory.during_step(err, ts.step + 1, train_cfg, cfg.model, cfg.optimizer) from err
             if should_exit:
                 _stop_for_the_rerun_state_machine(global_state, model, optimizer, scheduler, checkpointing_context,
                                                   train_data_iterator, should_checkpoint, step_exit_code)

@@ -33,6 +33,18 @@ def test_a_step_that_does_not_fit_the_gpu_ends_with_the_settings_that_free_memor
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
 
 
+@pytest.mark.parametrize("layers, where", [(32, "iteration 1: the GPU ran out of memory (CUDA out of memory."),
+                                            (40, "the model and its optimizer state do not fit the GPU (CUDA out")])
+def test_a_model_that_does_not_fit_the_gpu_ends_with_the_settings_that_split_it(layers, where):
+    """llama8b on one 80 GB GPU: its bf16 weights, fp32 gradient buffer and fp32 main weights (76 GiB) fit, its
+    first step does not; with 40 layers the set-up does not. Micro-batches of 1 are not offered lower."""
+    result = bridge("pretrain", "recipe=llama8b", f"model.num_layers={layers}", "train.train_iters=1",
+                    "train.eval_iters=0")
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert where in result.stderr and "model.tensor_model_parallel_size (now 1)" in result.stderr
+    assert "train.micro_batch_size" not in result.stderr and "Traceback" not in result.stderr
+
+
 def test_profiler_breaks_the_gpu_time_down_by_kernel_kind(tmp_path):
     result = bridge("pretrain", "recipe=gpt2_124m", "train.micro_batch_size=64", "train.global_batch_size=64", "train.train_iters=4",
                     "train.eval_iters=0", "profiling.use_pytorch_profiler=true", "profiling.profile_step_start=2",
