@@ -78,6 +78,15 @@ def rope(hf: Mapping[str, Any], where: Path, hint: str = "") -> tuple[int, Optio
     return int(theta), float(scaling["factor"])
 
 
+def partial_rotary_factor(hf: Mapping[str, Any], where: Path) -> float:
+    """config.json's ``partial_rotary_factor`` (transformers 4.x or 5.x keys): megatron-core's ``rotary_percent``,
+    both rotating the first part of each head."""
+    factor = (hf.get("rope_parameters") or {}).get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if not isinstance(factor, (int, float)) or not 0 < factor <= 1:
+        unsupported(where, f"partial_rotary_factor {factor!r}: a fraction in (0, 1] is needed")
+    return float(factor)
+
+
 def seq_length(hf: Mapping[str, Any], where: Path, wanted: Optional[int], window: Optional[int] = None) -> int:
     """model.seq_length: ``wanted``, or max_position_embeddings capped at DEFAULT_MAX_SEQ_LENGTH.
 

@@ -89,6 +89,9 @@ MODELS = {
     # norms before and after each sublayer, q/k/v biases, fused gate_up_proj, interleaved RoPE on half of each head
     "glm4": ("Glm4Config", "Glm4ForCausalLM", dict(vocab_size=512, head_dim=16, partial_rotary_factor=0.5,
                                                    eos_token_id=2, pad_token_id=None), None),
+    # LayerNorms with biases, RoPE on a quarter of each head, q/k/v biases, untied
+    "stablelm": ("StableLmConfig", "StableLmForCausalLM", dict(vocab_size=512, partial_rotary_factor=0.25,
+                                                               use_qkv_bias=True, tie_word_embeddings=False), None),
 }
 MOE = ("mixtral", "qwen3_moe", "olmoe", "gpt_oss", "qwen2_moe")
 """The mixture-of-experts families, loaded at EP=2 too (and at TP=2 with their experts split, GPT-OSS's biased
@@ -216,13 +219,13 @@ def test_import_writes_a_checkpoint_and_recipe_in_the_project_layout(imported):
         model = recipe["model"]
         assert model["vocab_size"] % model["make_vocab_size_divisible_by"] == 0  # no padding rows at TP=1
         assert recipe["checkpoint"]["pretrained_checkpoint"] == str(folder.resolve())
-        assert model["add_qkv_bias"] == (name in ("qwen2", "gpt_oss", "starcoder2", "qwen2_moe", "glm4"))
+        assert model["add_qkv_bias"] == (name in ("qwen2", "gpt_oss", "starcoder2", "qwen2_moe", "glm4", "stablelm"))
         assert model["share_embeddings_and_output_weights"] == (name in ("qwen2", "gemma3_text", "gemma2", "gemma",
                                                                          "starcoder2"))
         assert model["rope_scaling"] == (name == "llama")
         assert model["qk_layernorm"] == (name in ("qwen3", "qwen3_moe", "olmoe", "gemma3_text", "olmo2"))
         assert model.get("num_moe_experts") == (4 if name in MOE else None)
-        assert model["rotary_percent"] == (0.5 if name in ("phi3", "glm4") else 1.0)
+        assert model["rotary_percent"] == {"phi3": 0.5, "glm4": 0.5, "stablelm": 0.25}.get(name, 1.0)
         assert model.get("rotary_interleaved", False) == (name == "glm4")
         assert model["seq_length"] == (64 if name == "phi3" else 128)  # capped at phi3's sliding window
     gemma = yaml.safe_load((imported["gemma3_text"] / "recipe.yaml").read_text())["model"]
@@ -237,6 +240,9 @@ def test_import_writes_a_checkpoint_and_recipe_in_the_project_layout(imported):
     assert (starcoder2["normalization"], starcoder2["add_bias_linear"], starcoder2["gated_linear_unit"],
             starcoder2["activation_func"], starcoder2["bias_activation_fusion"]) == ("LayerNorm", True, False,
                                                                                      "fast_gelu", False)
+    stablelm = yaml.safe_load((imported["stablelm"] / "recipe.yaml").read_text())["model"]
+    assert (stablelm["normalization"], stablelm["gated_linear_unit"], stablelm["add_bias_linear"]) == (
+        "LayerNorm", True, False)
     olmo2 = yaml.safe_load((imported["olmo2"] / "recipe.yaml").read_text())["model"]
     assert (olmo2["pre_sublayer_norm"], olmo2["post_sublayer_norm"], olmo2["qk_layernorm_across_heads"]) == (
         False, True, True)
@@ -442,10 +448,11 @@ def test_export_refuses_a_model_transformers_cannot_hold(cli, imported, tmp_path
     ckpt = tmp_path / "gpt"
     shutil.copytree(imported["mistral"], ckpt)
     run_config = ckpt / "iter_0000000" / "run_config.yaml"
-    run_config.write_text(run_config.read_text().replace("normalization: RMSNorm", "normalization: LayerNorm"))
+    # RMSNorm with an ungated MLP: no family has both
+    run_config.write_text(run_config.read_text().replace("gated_linear_unit: true", "gated_linear_unit: false"))
     result = cli("convert-ckpt", "export-hf", str(ckpt), str(tmp_path / "out"))
     assert result.exit_code == 2 and "export-hf writes Llama-style models" in result.stderr
-    assert "model.normalization=LayerNorm" in result.stderr and not (tmp_path / "out").exists()
+    assert "model.gated_linear_unit=False" in result.stderr and not (tmp_path / "out").exists()
     empty = cli("convert-ckpt", "export-hf", str(tmp_path / "nothing"), str(tmp_path / "out"))
     assert empty.exit_code == 2 and "no checkpoint there" in empty.stderr
 

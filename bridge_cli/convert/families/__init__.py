@@ -29,16 +29,18 @@ from bridge_cli.convert.families.qwen2 import Qwen2
 from bridge_cli.convert.families.qwen2_moe import Qwen2Moe
 from bridge_cli.convert.families.qwen3 import Qwen3
 from bridge_cli.convert.families.qwen3_moe import Qwen3Moe
+from bridge_cli.convert.families.stablelm import StableLm
 from bridge_cli.convert.families.starcoder2 import Starcoder2
 from bridge_cli.convert.hf_config import unsupported
 
 FAMILIES: dict[str, LlamaLike] = {family.model_type: family
                                   for family in (Llama(), Mistral(), Qwen2(), Qwen3(), Phi3(),
-                                                 Mixtral(), Qwen3Moe(), Olmoe(), Gemma3(), Gemma2(), GptOss(), Gemma(), Starcoder2(), Olmo2(), Qwen2Moe(), Glm4())}
+                                                 Mixtral(), Qwen3Moe(), Olmoe(), Gemma3(), Gemma2(), GptOss(), Gemma(), Starcoder2(), Olmo2(), Qwen2Moe(), Glm4(), StableLm())}
 """model_type -> its family, in the order export tries them."""
 
 INFERRED = ("llama", "qwen2", "qwen3", "phi3",
-            "mixtral", "qwen3_moe", "olmoe", "gemma3_text", "gemma2", "gpt_oss", "gemma", "starcoder2", "olmo2", "qwen2_moe", "glm4")
+            "mixtral", "qwen3_moe", "olmoe", "gemma3_text", "gemma2", "gpt_oss", "gemma", "starcoder2", "olmo2", "qwen2_moe", "glm4",
+            "stablelm")
 """The families export picks without --model-type."""
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Optional
 
+from bridge_cli.convert import hf_config
 from bridge_cli.convert.families.llama_like import LlamaLike
-from bridge_cli.convert.hf_config import unsupported
 from bridge_cli.convert.hf_weights import Architecture, Layout, Pair
 
 
@@ -31,10 +31,7 @@ class Phi3(LlamaLike):
         return hf.get("sliding_window")
 
     def rotary_percent(self, hf: Mapping[str, Any], where) -> float:
-        factor = (hf.get("rope_parameters") or {}).get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-        if not isinstance(factor, (int, float)) or not 0 < factor <= 1:
-            unsupported(where, f"partial_rotary_factor {factor!r}: a fraction in (0, 1] is needed")
-        return float(factor)
+        return hf_config.partial_rotary_factor(hf, where)
 
     def hf_extras(self, model: Mapping[str, Any]) -> dict[str, Any]:
         # megatron-core attends over the whole sequence; token ids belong to the tokenizer, and Phi-3's
