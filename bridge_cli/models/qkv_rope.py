@@ -13,9 +13,9 @@ With ``fused_single_qkv_rope`` megatron-core hands the unsplit projection to Tra
 writes the rotated query and key and the value, in the ``[s, b, heads, head]`` layout the attention takes;
 the backward reads their three gradients once and writes the projection's: 0.17 ms a layer and micro-batch
 there, the proxy's step 542 -> 529 ms and 1.25 GiB less at its peak (docs/performance.md). Angles come from
-megatron-core's table (``[s, 1, 1, rotary dim]`` or one row per token), cos and sin computed in fp32 once per token and
-group of heads; a rotary dimension below the head's (``rotary_percent``) leaves the rest of each head as it
-is. On CUDA both passes are Triton kernels; elsewhere (the CPU) the same math runs as torch ops.
+megatron-core's table (``[s, 1, 1, rotary dim]`` or one row per token), cos and sin computed in fp32 once per
+token and group of heads; a rotary dimension below the head's (``rotary_percent``) leaves the rest of each head
+as it is. On CUDA both passes are Triton kernels; elsewhere (the CPU) the same math runs as torch ops.
 
 megatron-core takes this path only with RoPE and without packed sequences or q/k norms;
 :func:`~bridge_cli.models.attention.config_checks.check_fused_qkv_rope` refuses the rest before a model is built.
@@ -161,8 +161,8 @@ def _kernel():
 
     @triton.jit
     def split_rotate(mixed_ptr, freqs_ptr, q_ptr, k_ptr, v_ptr, tokens, rows_per_angle, groups, q_per_group,
-                 HEAD: tl.constexpr, HALF: tl.constexpr, HEAD_P: tl.constexpr, HALF_P: tl.constexpr,
-                 PASS: tl.constexpr, PASS_P: tl.constexpr, BACKWARD: tl.constexpr, BLOCK: tl.constexpr):
+                     HEAD: tl.constexpr, HALF: tl.constexpr, HEAD_P: tl.constexpr, HALF_P: tl.constexpr,
+                     PASS: tl.constexpr, PASS_P: tl.constexpr, BACKWARD: tl.constexpr, BLOCK: tl.constexpr):
         """BLOCK tokens of one query group: its query heads and key head rotated, its value head copied."""
         token = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)[:, None]
         group = tl.program_id(1)

@@ -18,7 +18,7 @@ from bridge_cli.config.errors import ConfigError
 from bridge_cli.config.fields import check_section
 from bridge_cli.config.ranges import check_ranges
 from bridge_cli.config.unsupported import check_unsupported
-from bridge_cli.models.attention.config_checks import check_attention, check_fused_qkv_rope
+from bridge_cli.models.attention.config_checks import check_attention
 from bridge_cli.models.fp8_checks import check_low_precision
 from bridge_cli.models.layer_option_checks import check_layer_options
 from bridge_cli.models.moe_checks import check_moe
@@ -105,7 +105,6 @@ def validate_and_derive(cfg, world_size: int, device: str) -> Derived:
     check_attention(cfg)
     check_low_precision(cfg, cfg.model.spec or default_spec_name(), device)
     check_layer_options(cfg.model)
-    check_fused_qkv_rope(cfg)
     check_wgrad_accumulation(cfg.model)
     ckpt = cfg.checkpoint
     check_output_folders([("checkpoint.save", ckpt.save), ("logger.tensorboard_dir", cfg.logger.tensorboard_dir),

@@ -26,8 +26,8 @@ def megatron_split_and_rope(mixed, freqs, q_per_group):
     head = mixed.shape[-1] // (q_per_group + 2)
     query, key, value = torch.split(mixed, [q_per_group * head, head, head], dim=3)
     query = query.reshape(query.size(0), query.size(1), -1, head)
-    group = torch.distributed.group.WORLD if torch.distributed.is_initialized() else None
-    rotate = [apply_rotary_pos_emb(t, freqs, config=_Config(), cp_group=group or _NoGroup()) for t in (query, key)]
+    # one context-parallel rank (megatron-core looks its group up in parallel_state when given none)
+    rotate = [apply_rotary_pos_emb(t, freqs, config=_Config(), cp_group=_NoGroup()) for t in (query, key)]
     return (*rotate, value)
 
 

@@ -22,12 +22,13 @@ class StableLm(LlamaLike):
     models = "StableLM 2 1.6B/12B, StableLM-3B-4E1T; LayerNorm, partial RoPE, optional q/k/v biases"
     limits = ("refuses per-head q/k LayerNorms (qk_layernorm: one norm per head, megatron-core shares one), "
               "use_parallel_residual and RoPE scalings other than llama3")
-    fixed = {key: value for key, value in LlamaLike.fixed.items() if key not in ("rotary_percent", "add_qkv_bias")}
-    fixed["normalization"] = "LayerNorm"
+    fixed = {**{key: value for key, value in LlamaLike.fixed.items() if key not in ("rotary_percent", "add_qkv_bias")},
+             "normalization": "LayerNorm"}
     norm_bias = True
 
     def model_fields(self, hf: Mapping[str, Any], where: Path, seq_length: Optional[int] = None) -> dict[str, Any]:
-        return {**super().model_fields(hf, where, seq_length), "layernorm_epsilon": float(hf.get("layer_norm_eps", 1e-5)),
+        return {**super().model_fields(hf, where, seq_length),
+                "layernorm_epsilon": float(hf.get("layer_norm_eps", 1e-5)),
                 "add_qkv_bias": bool(hf.get("use_qkv_bias", False))}
 
     def check(self, hf: Mapping[str, Any], where: Path) -> None:
@@ -43,8 +44,9 @@ class StableLm(LlamaLike):
     def hf_config(self, model: Mapping[str, Any]) -> dict[str, Any]:
         config = super().hf_config(model)
         del config["rms_norm_eps"]
-        return {**config, "layer_norm_eps": model["layernorm_epsilon"], "partial_rotary_factor": model["rotary_percent"],
-                "use_qkv_bias": bool(model["add_qkv_bias"]), "qk_layernorm": False, "use_parallel_residual": False,
+        return {**config, "layer_norm_eps": model["layernorm_epsilon"],
+                "partial_rotary_factor": model["rotary_percent"], "use_qkv_bias": bool(model["add_qkv_bias"]),
+                "qk_layernorm": False, "use_parallel_residual": False,
                 "hidden_dropout": 0.0, "bos_token_id": None, "eos_token_id": None}
 
     def hf_extras(self, model: Mapping[str, Any]) -> dict[str, Any]:

@@ -10,6 +10,7 @@ def check_attention(cfg) -> None:
     """Every rule below; the validation pass (training/validation.py) calls this."""
     check_document_attention(cfg)
     check_context_parallel(cfg)
+    check_fused_qkv_rope(cfg)
 
 
 def check_document_attention(cfg) -> None:
