@@ -77,7 +77,10 @@ def _expanded_size(node, sizes: dict[int, int], open_nodes: set[int]) -> int:
 
 
 def _unknown_key(key: str, source: str = "") -> ConfigError:
-    """An unknown-key error that suggests the same name in another section, else close names."""
+    """An unknown-key error that names what replaced a renamed key, else suggests the same name in another
+    section, else close names."""
+    if key in schema.RENAMED:
+        return ConfigError(key, f"unknown key{source}: it was replaced.", f"Use {schema.RENAMED[key]}.")
     keys = schema.all_keys()
     leaf = key.rsplit(".", 1)[-1]
     same_leaf = [k for k in keys if k.rsplit(".", 1)[-1] == leaf]

@@ -96,6 +96,12 @@ def register() -> None:
         store.store(group="schema/peft", name=name, node=cls)
 
 
+RENAMED: dict[str, str] = {
+    "optimizer.use_torch_fused_adam": "optimizer.adam_kernel (true was fused, false foreach; the default is triton)",
+}
+"""A key earlier versions of bridge took -> what took its place, for the unknown-key error."""
+
+
 def all_keys() -> list[str]:
     """Every settable full key, for did-you-mean suggestions."""
     keys = [f"{section}.{f.name}" for section, cls in SECTIONS.items() for f in dataclasses.fields(cls)]

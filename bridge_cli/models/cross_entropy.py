@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from bridge_cli.models import linear_cross_entropy as passes
-from bridge_cli.models.triton_support import available as triton_available
+from bridge_cli.runtime.triton_support import available as triton_available
 
 BLOCK = 4096  # vocabulary entries a kernel reads per step
 WARPS = 8

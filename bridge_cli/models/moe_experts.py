@@ -27,7 +27,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTenso
 from megatron.core.transformer.module import MegatronModule
 
 from bridge_cli.models import grouped_wgrad
-from bridge_cli.models.triton_support import available as triton_available
+from bridge_cli.runtime.triton_support import available as triton_available
 
 
 _EXTRA_STATE = "extra_state_of_expert_"

@@ -27,7 +27,7 @@ import functools
 
 import torch
 
-from bridge_cli.models.triton_support import available as triton_available
+from bridge_cli.runtime.triton_support import available as triton_available
 
 BLOCK_TOKENS = 32
 WARPS = 4

@@ -12,19 +12,21 @@ When the norm is above ``optimizer.clip_grad``, its fallback scale ``local_multi
 ``grad * coefficient`` to a new tensor and copies it back, gradient by gradient: two passes over every
 fp32 gradient and a temporary the size of the largest. Here it is one in-place ``torch._foreach_mul_``
 (a 4-layer proxy on one H100: 2.8 -> 2.3 ms of kernels a step), or no pass at all where the gradients belong
-to torch's fused Adam (:func:`clip_inside_fused_adam`, on by default on CUDA): the coefficient is kept and
-handed to the Adam kernel as its ``grad_scale``, which divides each gradient by it as it reads it (the 1.5B
-proxy on one H100, clipped every step: 533 -> 527 ms a step, docs/performance.md).
+to an Adam that scales them as it reads them (:func:`clip_inside_adam`): torch's fused kernel takes the kept
+coefficient as its ``grad_scale`` (the 1.5B proxy on one H100, clipped every step: 533 -> 527 ms a step,
+docs/performance.md), bridge's Triton Adam (:mod:`~bridge_cli.runtime.triton_adam`) as a factor of its own.
 """
 
 from __future__ import annotations
 
 import weakref
+from typing import Callable, Optional
 
 import torch
 
-_FUSED_ADAMS: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
-"""torch Adams whose step applies a kept clip coefficient (:func:`clip_inside_fused_adam`)."""
+_SCALING_ADAMS: "weakref.WeakKeyDictionary[torch.optim.Optimizer, Callable[[torch.optim.Optimizer], bool]]" = (
+    weakref.WeakKeyDictionary())
+"""torch Adams whose step can apply a kept clip coefficient -> whether it can now (:func:`clip_inside_adam`)."""
 _KEPT: dict[int, float] = {}
 """A gradient's storage address -> the clip coefficient megatron-core asked for, until its Adam steps."""
 
@@ -44,7 +46,7 @@ def multi_tensor_scale(chunk_size, noop_flag, tensor_lists, scale):
         torch._foreach_copy_(targets, torch._foreach_mul(sources, scale))
         return
     targets = [t for t in targets if t.numel()]
-    owned = _fused_adam_grads()
+    owned = _scaling_adam_grads()
     if owned and all(t.data_ptr() in owned for t in targets):
         _KEPT.update((t.data_ptr(), scale) for t in targets)
     else:
@@ -55,9 +57,20 @@ def clip_inside_fused_adam(optimizer: torch.optim.Optimizer) -> None:
     """Let ``optimizer`` (a torch Adam/AdamW) take the clip coefficient of its gradients as its fused kernel's
     ``grad_scale`` instead of :func:`multi_tensor_scale` scaling them first. While it is not fused (a
     foreach Adam takes no ``grad_scale``), its gradients are scaled in place as before. Call once per optimizer."""
-    if optimizer not in _FUSED_ADAMS:
-        _FUSED_ADAMS.add(optimizer)
+    if optimizer not in _SCALING_ADAMS:
         optimizer.register_step_pre_hook(_apply_kept_coefficient)
+    clip_inside_adam(optimizer, _is_fused)
+
+
+def clip_inside_adam(optimizer: torch.optim.Optimizer, scales: Callable[[torch.optim.Optimizer], bool]) -> None:
+    """Keep the clip coefficient of ``optimizer``'s gradients for its step to apply (:func:`pop_kept_coefficients`)
+    while ``scales(optimizer)`` says it does, instead of scaling them in place first."""
+    _SCALING_ADAMS[optimizer] = scales
+
+
+def pop_kept_coefficients(grads: list[torch.Tensor]) -> list[Optional[float]]:
+    """The clip coefficient kept for each of ``grads`` (None: none kept), forgotten once read."""
+    return [_KEPT.pop(g.data_ptr(), None) for g in grads]
 
 
 def _is_fused(optimizer: torch.optim.Optimizer) -> bool:
@@ -69,15 +82,16 @@ def _grads(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
             if p.grad is not None and p.grad.numel()]
 
 
-def _fused_adam_grads() -> set[int]:
-    return {g.data_ptr() for optimizer in _FUSED_ADAMS if _is_fused(optimizer) for g in _grads(optimizer)}
+def _scaling_adam_grads() -> set[int]:
+    return {g.data_ptr() for optimizer, scales in list(_SCALING_ADAMS.items()) if scales(optimizer)
+            for g in _grads(optimizer)}
 
 
 def _apply_kept_coefficient(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     """Before the step: one kept coefficient for all the gradients becomes ``grad_scale`` (1 / coefficient);
     anything else kept (some gradients only, or several coefficients) is applied in place now."""
     grads = _grads(optimizer)
-    kept = [_KEPT.pop(g.data_ptr(), None) for g in grads]
+    kept = pop_kept_coefficients(grads)
     optimizer.grad_scale = None
     if all(k is None for k in kept):
         return

@@ -9,10 +9,10 @@ makes it build fp32 wrappers whose norm, clipping and loss scale run on the CPU 
 ``state_dict``/``load_state_dict``, ``sharded_state_dict`` and ``reload_model_params``.
 
 Without Transformer Engine or Apex, megatron-core builds torch's Adam with default arguments,
-which on CUDA means the foreach kernels; ``optimizer.use_torch_fused_adam`` makes it fused. Its
-gradient norm then waits for the GPU once per gradient and its clip makes two passes over every
-gradient; :mod:`~bridge_cli.runtime.grad_norm` replaces both, and with fused Adam the clip is the kernel's
-``grad_scale``.
+which on CUDA means the foreach kernels; ``optimizer.adam_kernel`` makes it torch's fused kernel or
+bridge's Triton one (:mod:`~bridge_cli.runtime.triton_adam`, the default). Its gradient norm then waits
+for the GPU once per gradient and its clip makes two passes over every gradient;
+:mod:`~bridge_cli.runtime.grad_norm` replaces both, and with either kernel the Adam step applies the clip.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from bridge_cli.runtime.errors import RuntimeUnavailable
 from bridge_cli.runtime.grad_norm import clip_inside_fused_adam, use_foreach_clip_grads
+from bridge_cli.runtime.triton_adam import use_triton_adam
 
 if TYPE_CHECKING:
     from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig
@@ -55,13 +56,17 @@ def build_optimizer(
 
 
 def apply_adam_kernel_choice(optimizer: MegatronOptimizer, optimizer_config: OptimizerConfig, is_cuda: bool) -> None:
-    """:func:`use_fused_adam` where this run asks for it: on CUDA, with ``optimizer.use_torch_fused_adam``.
+    """The Adam kernel ``optimizer.adam_kernel`` names, on CUDA (:func:`use_triton_adam`, :func:`use_fused_adam`;
+    foreach is megatron-core's own choice).
 
     After building the optimizer, and again after loading its state, whose param groups bring
     the checkpoint's fused/foreach flags back.
     """
     # a megatron-core OptimizerConfig (Python callers) lacks the field: the same default
-    if is_cuda and getattr(optimizer_config, "use_torch_fused_adam", True):
+    kernel = getattr(optimizer_config, "adam_kernel", "triton")
+    if is_cuda and kernel == "triton":
+        use_triton_adam(optimizer)
+    elif is_cuda and kernel == "fused":
         use_fused_adam(optimizer)
 
 

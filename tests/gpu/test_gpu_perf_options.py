@@ -1,5 +1,5 @@
-"""Performance options on the GPU path (bf16, distributed optimizer): fused AdamW, each SDPA kernel, compiled
-layers and the weight-gradient accumulation fusion train like the defaults, and a fused AdamW resumes like an
+"""Performance options on the GPU path (bf16, distributed optimizer): each Adam kernel, each SDPA kernel, compiled
+layers and the weight-gradient accumulation fusion train like the defaults, and the Adam kernels resume like an
 uninterrupted run."""
 
 from __future__ import annotations
@@ -25,20 +25,44 @@ def curve(*overrides: str) -> list[float]:
 
 @pytest.fixture(scope="module")
 def default_curve() -> list[float]:
-    """Fused AdamW (the default), SDPA kernel picked by torch, eager layers."""
+    """bridge's Triton Adam (the default), SDPA kernel picked by torch, eager layers."""
     found = curve()
     assert len(found) == 10
     return found
 
 
-def test_fused_adamw_trains_like_foreach(default_curve):
-    assert curve("optimizer.use_torch_fused_adam=false") == pytest.approx(default_curve, rel=2e-3)
+@pytest.mark.parametrize("kernel", ["fused", "foreach"])
+def test_torchs_adam_kernels_train_like_the_triton_one(default_curve, kernel):
+    """The Triton step writes the bf16 model weights and megatron-core's copy is skipped: were they not written,
+    the model would not train as torch's kernels (followed by the copy) train it."""
+    assert curve(f"optimizer.adam_kernel={kernel}") == pytest.approx(default_curve, rel=2e-3)
 
 
-def test_fused_adamw_resumes_like_an_uninterrupted_run(default_curve, tmp_path):
-    curve(f"checkpoint.save={tmp_path}", "checkpoint.save_interval=5")
-    resumed = curve(f"checkpoint.load={tmp_path}", "checkpoint.ckpt_step=5")
+@pytest.mark.parametrize("kernel", ["triton", "fused"])
+def test_adam_resumes_like_an_uninterrupted_run(default_curve, tmp_path, kernel):
+    curve(f"optimizer.adam_kernel={kernel}", f"checkpoint.save={tmp_path}", "checkpoint.save_interval=5")
+    resumed = curve("optimizer.adam_kernel=triton", f"checkpoint.load={tmp_path}", "checkpoint.ckpt_step=5")
     assert resumed == pytest.approx(default_curve[5:], rel=2e-3)
+
+
+@pytest.mark.parametrize("decoupled", [True, False])
+@pytest.mark.parametrize("numel, model_dtype", [(5000, "bfloat16"), (2048, None), (1, "bfloat16"), (3_000_001, "float16")])
+def test_triton_adam_kernel_equals_the_torch_update(numel, model_dtype, decoupled):
+    import torch
+
+    from bridge_cli.runtime.triton_adam import adam_update
+
+    generator = torch.Generator().manual_seed(numel)
+    tensors = [torch.randn(numel, generator=generator) for _ in range(3)] + [torch.rand(numel, generator=generator)]
+    model = None if model_dtype is None else torch.empty(numel, dtype=getattr(torch, model_dtype))
+    on_gpu = [t.cuda() for t in tensors] + [None if model is None else model.cuda()]
+    for args in (tensors + [model], on_gpu):
+        adam_update(*args, step=3, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, decoupled=decoupled,
+                    grad_factor=0.7)
+    for want, got in zip(tensors, on_gpu):
+        torch.testing.assert_close(got.cpu(), want, rtol=1e-6, atol=1e-7)
+    if model is not None:  # rounded as torch rounds (the fp32 weights above may differ in their last bit)
+        assert torch.equal(on_gpu[-1], on_gpu[0].to(model.dtype))
 
 
 @pytest.mark.parametrize("backend", ["flash", "cudnn", "math"])

@@ -1,4 +1,4 @@
-"""optimizer.use_torch_fused_adam: torch's AdamW, switched to its fused kernel, steps as before."""
+"""optimizer.adam_kernel=fused: torch's AdamW, switched to its fused kernel, steps as before."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Whether this machine can run bridge's Triton kernels (grouped expert weight gradients, the cross entropy)."""
+"""Whether this machine can run bridge's Triton kernels (the Adam step, grouped expert weight gradients, the cross
+entropy, the QKV RoPE)."""
 
 from __future__ import annotations
 
