@@ -13,7 +13,9 @@ as if it ran alone; the layers apply the ``[s, b, 1, d]`` table as they apply th
 logits (Gemma 2), on each tensor-parallel rank's share of the vocabulary, and
 ``model.fused_linear_cross_entropy`` computes the loss without the whole logits
 (:mod:`~bridge_cli.models.linear_cross_entropy`), and ``model.cross_entropy_fusion_impl=triton`` without their fp32
-copy (:mod:`~bridge_cli.models.cross_entropy`). Everything else, state-dict keys included, is megatron-core's.
+copy (:mod:`~bridge_cli.models.cross_entropy`); with ``model.gradient_accumulation_fusion`` the word embedding adds its
+gradient into ``main_grad`` too (:mod:`~bridge_cli.models.embedding_wgrad`). Everything else, state-dict keys included,
+is megatron-core's.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from __future__ import annotations
 import torch
 from megatron.core.models.gpt import GPTModel as MCoreGPTModel
 
-from bridge_cli.models import cross_entropy, linear_cross_entropy
+from bridge_cli.models import cross_entropy, embedding_wgrad, linear_cross_entropy
 from bridge_cli.models.attention.masks import DocumentParams
 
 
@@ -43,6 +45,8 @@ class GPTModel(MCoreGPTModel):
                 use_cpu_initialization=config.use_cpu_initialization, cp_group=self.pg_collection.cp)
         if getattr(config, "scale_embeddings", False) and hasattr(self, "embedding"):
             self.embedding.register_forward_hook(_scale_by_sqrt_hidden)
+        if config.gradient_accumulation_fusion and hasattr(self, "embedding"):
+            embedding_wgrad.use_main_grad_embedding(self.embedding.word_embeddings)
         self._fused_loss = bool(getattr(config, "fused_linear_cross_entropy", False)) and hasattr(self, "output_layer")
         self._defer = False  # set for one forward that has labels
         self._deferred: list = []  # (hidden states, weight) the output layer handed on unprojected

@@ -1,7 +1,8 @@
 """model.gradient_accumulation_fusion through `bridge pretrain` on the CPU (bridge_cli/models/wgrad_in_graph.py): weight
 gradients added into main_grad by the linears' backward train as autograd's, eager and compiled (where no layer breaks
-at a linear any more), in one process with the output layer sharing the embedding, over two tensor-parallel ranks
-and over two data-parallel ranks whose gradient all-reduce overlaps the backward."""
+at a linear any more), in one process with the output layer sharing the embedding and with an embedding of its own
+(whose gradient goes into main_grad too, bridge_cli/models/embedding_wgrad.py), over two tensor-parallel ranks and over
+two data-parallel ranks whose gradient all-reduce overlaps the backward."""
 
 from __future__ import annotations
 
@@ -29,6 +30,16 @@ def test_fused_weight_gradients_train_as_autograds_eager_and_compiled():
 
 
 @pytest.mark.slow
+def test_an_untied_embeddings_gradient_in_main_grad_trains_as_autograds():
+    untied = ["model.share_embeddings_and_output_weights=false"]
+    runs = [bridge("pretrain", *RUN, *untied, *extra) for extra in ([], FUSION)]
+    for run in runs:
+        assert run.returncode == 0, run.stderr[-3000:]
+    reference, fused = (losses(run.stdout) for run in runs)
+    assert len(reference) == 4 and fused == pytest.approx(reference, rel=1e-5)
+
+
+@pytest.mark.slow
 def test_fused_weight_gradients_of_biased_linears_train_as_autograds():
     """GPT-2-style linears with biases (the bias gradient is the backward's column sum)."""
     biased = ["model.add_bias_linear=true"]
@@ -42,7 +53,8 @@ def test_fused_weight_gradients_of_biased_linears_train_as_autograds():
 LAYOUTS = {
     "tp2": ["model.tensor_model_parallel_size=2", "model.share_embeddings_and_output_weights=false"],
     # the wrapper's hooks launch each bucket's all-reduce once its gradients are in: the flagged weights count
-    "dp2_overlapped": ["ddp.overlap_grad_reduce=true"],
+    # (the embedding's too: untied, its gradient goes into main_grad)
+    "dp2_overlapped": ["ddp.overlap_grad_reduce=true", "model.share_embeddings_and_output_weights=false"],
 }
 
 
