@@ -13,8 +13,8 @@ When the norm is above ``optimizer.clip_grad``, its fallback scale ``local_multi
 fp32 gradient and a temporary the size of the largest. Here it is one in-place ``torch._foreach_mul_``
 (a 4-layer proxy on one H100: 2.8 -> 2.3 ms of kernels a step), or no pass at all where the gradients belong
 to an Adam that scales them as it reads them (:func:`clip_inside_adam`): torch's fused kernel takes the kept
-coefficient as its ``grad_scale`` (the 1.5B proxy on one H100, clipped every step: 533 -> 527 ms a step,
-docs/performance.md), bridge's Triton Adam (:mod:`~bridge_cli.runtime.triton_adam`) as a factor of its own.
+coefficient as its ``grad_scale``, bridge's Triton Adam (:mod:`~bridge_cli.runtime.triton_adam`) as a factor of
+its own.
 """
 
 from __future__ import annotations

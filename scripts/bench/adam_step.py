@@ -15,6 +15,7 @@ import argparse
 import torch
 
 from bridge_cli.runtime.triton_adam import adam_update
+from gpu_timing import time_ms  # this folder's helper
 
 LR, BETAS, EPS, WEIGHT_DECAY, CLIP = 3e-4, (0.9, 0.95), 1e-8, 0.1, 0.8
 
@@ -24,17 +25,6 @@ def proxy_shapes() -> list[tuple[int, ...]]:
     layer = [(2048,), (3072, 2048), (2048, 2048), (2048,), (16384, 2048), (2048, 8192)]
     return [(128256, 2048), *(layer * 16), (2048,), (128256, 2048)]
 
-
-def timed(step, steps: int) -> float:
-    step()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(steps):
-        step()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / steps
 
 
 def main() -> None:
@@ -57,7 +47,7 @@ def main() -> None:
         for m, w in zip(model, weights):
             m.copy_(w)
 
-    torch_ms = timed(torch_step, args.steps)
+    torch_ms = time_ms(torch_step, args.steps)
     del fused
     moments = [(torch.zeros_like(w), torch.zeros_like(w)) for w in weights]
 
@@ -66,7 +56,7 @@ def main() -> None:
             adam_update(w.data, w.grad, exp_avg, exp_avg_sq, m, step=5, lr=LR, betas=BETAS, eps=EPS,
                         weight_decay=WEIGHT_DECAY, decoupled=True, grad_factor=CLIP)
 
-    triton_ms = timed(triton_step, args.steps)
+    triton_ms = time_ms(triton_step, args.steps)
     assert all(torch.equal(m, w.detach().to(torch.bfloat16)) for m, w in zip(model, weights))
     print(f"{count / 1e9:.3f}e9 weights")
     print(f"torch fused AdamW (grad_scale) + copy to bf16: {torch_ms:6.2f} ms ({count * 38 / torch_ms / 1e9:.2f} TB/s)")

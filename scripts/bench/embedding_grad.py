@@ -11,6 +11,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from gpu_timing import time_ms  # this folder's helper
+
 VOCAB, HIDDEN, BATCH, SEQ = 128256, 2048, 4, 4096
 
 
@@ -28,17 +30,6 @@ def zipf_tokens() -> torch.Tensor:
     return torch.tensor(np.minimum(rng.zipf(1.2, BATCH * SEQ), VOCAB - 1), device="cuda").view(BATCH, SEQ)
 
 
-def timed(fn, steps: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(steps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / steps
-
 
 def main() -> None:
     main_grad = torch.zeros(VOCAB, HIDDEN, device="cuda")
@@ -53,7 +44,7 @@ def main() -> None:
             "index_add_": lambda: main_grad.index_add_(0, flat, rows.float()),
         }
         print(f"{name} tokens ({flat.unique().numel()} distinct): "
-              + ", ".join(f"{way} {timed(fn):.3f} ms" for way, fn in ways.items()))
+              + ", ".join(f"{way} {time_ms(fn):.3f} ms" for way, fn in ways.items()))
 
 
 if __name__ == "__main__":

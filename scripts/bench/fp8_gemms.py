@@ -17,21 +17,10 @@ import torch
 import torch.nn.functional as F
 
 from bridge_cli.models.fp8_linear import Fp8Scaling, fp8_linear
+from gpu_timing import time_ms  # this folder's helper
 
 SHAPES = {"qkv": (2048, 3072), "proj": (2048, 2048), "fc1": (2048, 16384), "fc2": (8192, 2048)}
 
-
-def time_ms(fn, steps: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(steps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / steps
 
 
 def main() -> None:
