@@ -38,6 +38,12 @@ def test_torchs_adam_kernels_train_like_the_triton_one(default_curve, kernel):
     assert curve(f"optimizer.adam_kernel={kernel}") == pytest.approx(default_curve, rel=2e-3)
 
 
+def test_the_triton_adam_writes_the_model_weights_of_megatron_cores_other_mixed_precision_optimizer():
+    """Without the distributed optimizer megatron-core's Float16OptimizerWithFloat16Params copies after the step."""
+    plain = "optimizer.use_distributed_optimizer=false"
+    assert curve(plain) == pytest.approx(curve(plain, "optimizer.adam_kernel=fused"), rel=2e-3)
+
+
 @pytest.mark.parametrize("kernel", ["triton", "fused"])
 def test_adam_resumes_like_an_uninterrupted_run(default_curve, tmp_path, kernel):
     curve(f"optimizer.adam_kernel={kernel}", f"checkpoint.save={tmp_path}", "checkpoint.save_interval=5")
