@@ -116,6 +116,8 @@ def adam_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
     step_size, bias_correction2_sqrt = lr / (1 - beta1 ** step), math.sqrt(1 - beta2 ** step)
     if _runs_triton(param, grad, exp_avg, exp_avg_sq, model_weight):
         n = param.numel()
+        if not n:  # a weight with no elements on this rank: no programs to launch
+            return
         _kernel()[(-(-n // BLOCK),)](
             param, grad, exp_avg, exp_avg_sq, param if model_weight is None else model_weight, n,
             grad_factor, beta1, beta2, eps, weight_decay, 1 - lr * weight_decay, step_size, bias_correction2_sqrt,
