@@ -11,9 +11,9 @@ at a time) and hands autograd megatron-core's placeholder gradient, as its fused
 a repeated row's tokens are added varies from run to run, as in cuDNN's attention backward.
 
 It takes the unsplit table only (one tensor-parallel rank), where megatron-core's forward is the plain lookup;
-a table split over tensor-parallel ranks or scattered over the sequence, a weight shared with the output layer on the same pipeline stage (whose
-placeholder gradient megatron-core zeroes and adds), or a weight without ``main_grad`` (before the data-parallel
-wrap, frozen) take megatron-core's forward as it is.
+a table split over tensor-parallel ranks or scattered over the sequence, a weight shared with the output layer on
+the same pipeline stage (whose placeholder gradient megatron-core zeroes and adds), or a weight without ``main_grad``
+(before the data-parallel wrap, frozen) take megatron-core's forward as it is.
 """
 
 from __future__ import annotations
