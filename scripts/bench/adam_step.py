@@ -59,8 +59,9 @@ def main() -> None:
     triton_ms = time_ms(triton_step, args.steps)
     assert all(torch.equal(m, w.detach().to(torch.bfloat16)) for m, w in zip(model, weights))
     print(f"{count / 1e9:.3f}e9 weights")
-    print(f"torch fused AdamW (grad_scale) + copy to bf16: {torch_ms:6.2f} ms ({count * 38 / torch_ms / 1e9:.2f} TB/s)")
-    print(f"bridge's Triton step, bf16 weight included:    {triton_ms:6.2f} ms ({count * 30 / triton_ms / 1e9:.2f} TB/s)")
+    for name, ms, bytes_per_weight in (("torch fused AdamW (grad_scale) + copy to bf16", torch_ms, 38),
+                                       ("bridge's Triton step, bf16 weight included", triton_ms, 30)):
+        print(f"{name + ':':<47} {ms:6.2f} ms ({count * bytes_per_weight / ms / 1e9:.2f} TB/s)")
 
 
 if __name__ == "__main__":

@@ -52,7 +52,8 @@ def test_adam_resumes_like_an_uninterrupted_run(default_curve, tmp_path, kernel)
 
 
 @pytest.mark.parametrize("decoupled", [True, False])
-@pytest.mark.parametrize("numel, model_dtype", [(5000, "bfloat16"), (2048, None), (1, "bfloat16"), (3_000_001, "float16")])
+@pytest.mark.parametrize("numel, model_dtype",
+                         [(5000, "bfloat16"), (2048, None), (1, "bfloat16"), (3_000_001, "float16")])
 def test_triton_adam_kernel_equals_the_torch_update(numel, model_dtype, decoupled):
     import torch
 

@@ -16,7 +16,8 @@ SHAPES = [(64, 32), (7,), (3, 5, 2)]
 
 
 def twins(cls=torch.optim.AdamW, weight_decay=0.1) -> tuple[torch.optim.Adam, torch.optim.Adam]:
-    """Two torch Adams, built as megatron-core builds them (a group with weight decay, one without), on equal weights."""
+    """Two torch Adams, built as megatron-core builds them (a group with weight decay, one without), on equal
+    weights."""
     weights = [torch.randn(s, generator=torch.Generator().manual_seed(i)) for i, s in enumerate(SHAPES)]
 
     def build():
