@@ -21,11 +21,13 @@ differ from Hugging Face's:
   linear layer's weight) and one ``[experts, out]`` per bias, with gate and up interleaved along
   ``out`` in ``gate_up_proj`` (gate in the even columns, up in the odd ones). One :class:`Pair` then
   maps that tensor to every expert's parameter.
+- GPT-2's linears are Conv1Ds (``x @ w + b``): each weight is stored ``[in, out]``, the transpose of
+  megatron-core's; its fused ``c_attn`` is ``[q; k; v]`` along ``out``, and its bias ``[q; k; v]``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Optional, Union
 
@@ -46,10 +48,17 @@ class Layout(Enum):
     EXPERTS_GATE_UP = "experts_gate_up"
     """Stacked over the experts, gate and up interleaved along the last axis (a weight's slice
     ``[in, 2 * ffn]``, transposed as EXPERTS_T): megatron-core's ``[gate; up]``."""
+    TRANSPOSED = "transposed"
+    """A weight stored ``[in, out]`` (a Conv1D's): megatron-core's is its transpose."""
+    FUSED_QKV_T = "fused_qkv_t"
+    """FUSED_QKV stored ``[in, out]``, q, k and v along ``out`` (GPT-2's ``c_attn``)."""
 
 
 STACKED = (Layout.EXPERTS, Layout.EXPERTS_T, Layout.EXPERTS_GATE_UP)
 """The layouts of a Hugging Face tensor that holds every expert's parameter."""
+
+TRANSPOSES = {Layout.TRANSPOSED: Layout.SAME, Layout.FUSED_QKV_T: Layout.FUSED_QKV}
+"""The layouts of a weight stored ``[in, out]`` -> the layout of its transpose, ``[out, in]``."""
 
 
 @dataclass(frozen=True)
@@ -75,6 +84,8 @@ class Architecture:
     """FFN size of the shared experts an MoE layer adds to the routed ones (None: none)."""
     expert_bias: bool = False
     """Whether the router holds a per-expert bias for choosing experts (DeepSeek-V3's e_score_correction_bias)."""
+    positions: int = 0
+    """Rows of the learned absolute position embedding: megatron-core's has model.seq_length (0: none)."""
 
     @classmethod
     def of(cls, model) -> "Architecture":
@@ -86,7 +97,8 @@ class Architecture:
                    model.qk_layernorm, experts, (model.moe_ffn_hidden_size or 0) if experts else 0,
                    moe_layer_pattern(model.moe_layer_freq, model.num_layers) if experts else (),
                    model.moe_shared_expert_intermediate_size if experts else None,
-                   bool(experts and model.moe_router_enable_expert_bias))
+                   bool(experts and model.moe_router_enable_expert_bias),
+                   model.seq_length if getattr(model, "position_embedding_type", None) == "learned_absolute" else 0)
 
     @property
     def heads_per_group(self) -> int:
@@ -135,6 +147,8 @@ def to_mcore(pair: Pair, tensors: list, arch: Architecture) -> list:
     tensors (in ``pair.hf`` order)."""
     import torch
 
+    if pair.layout in TRANSPOSES:
+        return to_mcore(replace(pair, layout=TRANSPOSES[pair.layout]), [t.t() for t in tensors], arch)
     if pair.layout in STACKED:
         (stacked,) = tensors
         experts = [t.t() if t.dim() == 2 and pair.layout is not Layout.EXPERTS else t for t in stacked.unbind(0)]
@@ -162,6 +176,8 @@ def to_hf(pair: Pair, tensors: list, arch: Architecture) -> list:
     """
     import torch
 
+    if pair.layout in TRANSPOSES:
+        return [t.t().contiguous() for t in to_hf(replace(pair, layout=TRANSPOSES[pair.layout]), tensors, arch)]
     if pair.layout in STACKED:
         if pair.layout is Layout.EXPERTS_GATE_UP:  # [gate; up] -> rows gate 0, up 0, gate 1, up 1, ...
             tensors = [torch.stack(t.chunk(2, dim=0), dim=1).reshape(t.shape) for t in tensors]

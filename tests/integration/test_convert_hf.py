@@ -32,6 +32,8 @@ WORKER = Path(__file__).with_name("convert_worker.py")
 ATOL = 1e-4
 SHAPE = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=128)
+OWN_SHAPE = {"gpt2": dict(n_embd=64, n_layer=2, n_head=4, n_positions=128)}
+"""Families whose config.json names the shape otherwise, in place of SHAPE (GPT-2: n_inner null, 4 * n_embd)."""
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 8192}
 MODELS = {
@@ -92,6 +94,8 @@ MODELS = {
     # LayerNorms with biases, RoPE on a quarter of each head, q/k/v biases, untied
     "stablelm": ("StableLmConfig", "StableLmForCausalLM", dict(vocab_size=512, partial_rotary_factor=0.25,
                                                                use_qkv_bias=True, tie_word_embeddings=False), None),
+    # learned positions, LayerNorms with biases, Conv1D linears ([in, out]) with biases, fused c_attn, tied
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(vocab_size=512, bos_token_id=None, eos_token_id=None), None),
 }
 MOE = ("mixtral", "qwen3_moe", "olmoe", "gpt_oss", "qwen2_moe")
 """The mixture-of-experts families, loaded at EP=2 too (and at TP=2 with their experts split, GPT-OSS's biased
@@ -103,10 +107,11 @@ EXPORT_ARGS = {"mistral": ["--model-type", "mistral"]}
 def hf_model(name: str):
     config_cls, model_cls, options, _ = MODELS[name]
     torch.manual_seed(0)
-    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**SHAPE, **options)).float().eval()
+    config = getattr(transformers, config_cls)(**OWN_SHAPE.get(name, SHAPE), **options)
+    model = getattr(transformers, model_cls)(config).float().eval()
     with torch.no_grad():  # larger than the default init, so that every weight moves the logits
         for param_name, param in model.named_parameters():
-            param.uniform_(0.5, 1.5) if "norm" in param_name else param.normal_(0.0, 0.1)
+            param.uniform_(0.5, 1.5) if re.search(r"norm|\.ln_", param_name) else param.normal_(0.0, 0.1)
     return model
 
 
@@ -185,12 +190,25 @@ def trained(work, imported) -> Path:
 
 
 @pytest.fixture(scope="module")
-def mcore_logits(work, imported, trained) -> dict[tuple[str, int], torch.Tensor]:
+def trained_gpt2(work) -> Path:
+    """`recipe=gpt2_124m` at a toy size after two steps on the CPU: bridge's gpt model config, whose MLP runs
+    megatron-core's fused bias-GELU, and a vocabulary padded to a multiple of 128."""
+    save = work / "trained_gpt2"
+    ok(bridge("pretrain", "recipe=gpt2_124m", "model.num_layers=2", "model.hidden_size=64", "model.ffn_hidden_size=256",
+              "model.num_attention_heads=4", "model.vocab_size=520", "model.seq_length=128",
+              "model.compile_layers=false", "train.micro_batch_size=2", "train.global_batch_size=4", "train.train_iters=2", "train.eval_iters=0",
+              "mixed_precision=fp32", "optimizer.use_distributed_optimizer=false", f"checkpoint.save={save}"))
+    return save
+
+
+@pytest.fixture(scope="module")
+def mcore_logits(work, imported, trained, trained_gpt2) -> dict[tuple[str, int], torch.Tensor]:
     """megatron-core's logits of every checkpoint at TP=1 and TP=2, and of the MoE ones at EP=2, from one
     torchrun launch of two ranks."""
     out = work / "logits"
     out.mkdir()
-    checkpoints = [f"{name}={folder}" for name, folder in {**imported, "trained": trained}.items()]
+    checkpoints = [f"{name}={folder}" for name, folder in {**imported, "trained": trained,
+                                                           "trained_gpt2": trained_gpt2}.items()]
     env = {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     ok(python(str(WORKER), "--ckpt", *checkpoints, "--tokens", str(work / "tokens.pt"), "--out", str(out),
@@ -219,13 +237,14 @@ def test_import_writes_a_checkpoint_and_recipe_in_the_project_layout(imported):
         model = recipe["model"]
         assert model["vocab_size"] % model["make_vocab_size_divisible_by"] == 0  # no padding rows at TP=1
         assert recipe["checkpoint"]["pretrained_checkpoint"] == str(folder.resolve())
-        assert model["add_qkv_bias"] == (name in ("qwen2", "gpt_oss", "starcoder2", "qwen2_moe", "glm4", "stablelm"))
+        assert model["add_qkv_bias"] == (name in ("qwen2", "gpt_oss", "starcoder2", "qwen2_moe", "glm4", "stablelm",
+                                                  "gpt2"))
         assert model["share_embeddings_and_output_weights"] == (name in ("qwen2", "gemma3_text", "gemma2", "gemma",
-                                                                         "starcoder2"))
-        assert model["rope_scaling"] == (name == "llama")
+                                                                         "starcoder2", "gpt2"))
+        assert model.get("rope_scaling") == (None if name == "gpt2" else name == "llama")
         assert model["qk_layernorm"] == (name in ("qwen3", "qwen3_moe", "olmoe", "gemma3_text", "olmo2"))
         assert model.get("num_moe_experts") == (4 if name in MOE else None)
-        assert model["rotary_percent"] == {"phi3": 0.5, "glm4": 0.5, "stablelm": 0.25}.get(name, 1.0)
+        assert model.get("rotary_percent") == {"phi3": 0.5, "glm4": 0.5, "stablelm": 0.25, "gpt2": None}.get(name, 1.0)
         assert model.get("rotary_interleaved", False) == (name == "glm4")
         assert model["seq_length"] == (64 if name == "phi3" else 128)  # capped at phi3's sliding window
     gemma = yaml.safe_load((imported["gemma3_text"] / "recipe.yaml").read_text())["model"]
@@ -240,6 +259,10 @@ def test_import_writes_a_checkpoint_and_recipe_in_the_project_layout(imported):
     assert (starcoder2["normalization"], starcoder2["add_bias_linear"], starcoder2["gated_linear_unit"],
             starcoder2["activation_func"], starcoder2["bias_activation_fusion"]) == ("LayerNorm", True, False,
                                                                                      "fast_gelu", False)
+    gpt2 = yaml.safe_load((imported["gpt2"] / "recipe.yaml").read_text())["model"]
+    assert (gpt2["position_embedding_type"], gpt2["normalization"], gpt2["add_bias_linear"], gpt2["gated_linear_unit"],
+            gpt2["activation_func"], gpt2["bias_activation_fusion"], gpt2["ffn_hidden_size"],
+            gpt2["num_query_groups"]) == ("learned_absolute", "LayerNorm", True, False, "fast_gelu", False, 256, 4)
     stablelm = yaml.safe_load((imported["stablelm"] / "recipe.yaml").read_text())["model"]
     assert (stablelm["normalization"], stablelm["gated_linear_unit"], stablelm["add_bias_linear"]) == (
         "LayerNorm", True, False)
@@ -273,7 +296,7 @@ def test_round_trip_gives_identical_tensors(name, work, hf_dirs, imported, token
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name, layout", [("qwen2", "tp2"), ("phi3", "tp2"), ("olmoe", "tp2"), ("gemma3_text", "tp2"),
-                                          ("gemma2", "tp2"), ("gpt_oss", "tp2"),
+                                          ("gemma2", "tp2"), ("gpt_oss", "tp2"), ("gpt2", "tp2"),
                                           *((name, "ep2") for name in MOE)])
 def test_export_reads_a_checkpoint_saved_with_tensor_or_expert_parallelism(name, layout, work, hf_dirs, mcore_logits):
     """Saved at TP=2, every tensor is split in two chunks; at EP=2, each rank wrote half of the experts.
@@ -295,6 +318,28 @@ def test_export_after_training_carries_the_trained_weights(work, hf_dirs, traine
     for tp in ("tp1", "tp2"):
         assert (logits - mcore_logits[("trained", tp)]).abs().max().item() < ATOL
     assert (logits - torch.load(reference(hf_dirs["llama"]))).abs().max().item() > 1e-3  # it trained
+
+
+@pytest.mark.slow
+def test_a_gpt2_trained_from_the_gpt2_124m_recipe_exports_as_transformers_computes_it(work, trained_gpt2, mcore_logits,
+                                                                                       tokens):
+    """Its fused bias-GELU is the tanh GELU (transformers' gelu_new), its q/k/v biases come with add_bias_linear,
+    and the vocabulary's padding rows are dropped; unfused, its GELU is the erf one, which GPT-2 is not."""
+    out = work / "trained_gpt2_hf"
+    ok(bridge("convert-ckpt", "export-hf", str(trained_gpt2), str(out)))
+    config = json.loads((out / "config.json").read_text())
+    assert (config["model_type"], config["activation_function"], config["vocab_size"]) == ("gpt2", "gelu_new", 520)
+    logits = hf_logits(out, tokens)
+    for tp in ("tp1", "tp2"):
+        assert (logits - mcore_logits[("trained_gpt2", tp)]).abs().max().item() < ATOL
+    erf = work / "trained_gpt2_erf"
+    shutil.copytree(trained_gpt2, erf)
+    run_config = next(erf.glob("iter_*")) / "run_config.yaml"
+    run_config.write_text(run_config.read_text().replace("bias_activation_fusion: true",
+                                                         "bias_activation_fusion: false"))
+    refused = bridge("convert-ckpt", "export-hf", str(erf), str(work / "erf_hf"))
+    assert refused.returncode == 2 and "model.activation_func=gelu" in refused.stderr, refused.stderr[-2000:]
+    assert not (work / "erf_hf").exists()
 
 
 @pytest.mark.slow
@@ -360,8 +405,8 @@ def truncate(file: Path) -> None:
 
 
 @pytest.mark.parametrize("damage, args, fragments", [
-    (lambda f: edit_config(f, model_type="gpt2"), [],
-     ["model_type 'gpt2' is not supported", "Supported: llama, mistral, qwen2"]),
+    (lambda f: edit_config(f, model_type="bloom"), [],
+     ["model_type 'bloom' is not supported", "Supported: llama, mistral, qwen2"]),
     (lambda f: (f / "config.json").unlink(), [], ["has no config.json"]),
     (lambda f: edit_tensors(f, lambda t: t.pop("model.layers.1.mlp.up_proj.weight")), [],
      ["tensor model.layers.1.mlp.up_proj.weight is missing"]),
@@ -402,8 +447,13 @@ def test_import_errors_name_the_problem_and_leave_no_output(cli, broken, tmp_pat
     ("gpt_oss", dict(quantization_config={"quant_method": "mxfp4"}), ["quantization_config (mxfp4)",
                                                                       "Mxfp4Config(dequantize=True)"]),
     ("gpt_oss", dict(num_experts_per_tok=1), ["num_experts_per_tok 1: transformers weighs each token's one expert 1"]),
+    ("gpt2", dict(scale_attn_by_inverse_layer_idx=True), ["scale_attn_by_inverse_layer_idx: megatron-core scales"]),
+    ("gpt2", dict(reorder_and_upcast_attn=True), ["reorder_and_upcast_attn: transformers' eager attention"]),
+    ("gpt2", dict(scale_attn_weights=False), ["scale_attn_weights false"]),
+    ("gpt2", dict(activation_function="relu"), ["activation_function 'relu'", "gelu_new or gelu_pytorch_tanh"]),
+    ("gpt2", dict(tie_word_embeddings=False), ["tie_word_embeddings false"]),
 ])
-def test_moe_import_refuses_routing_megatron_core_cannot_compute(cli, hf_dirs, tmp_path, name, changes, fragments):
+def test_import_refuses_what_megatron_core_cannot_compute(cli, hf_dirs, tmp_path, name, changes, fragments):
     folder = tmp_path / "hf"
     shutil.copytree(hf_dirs[name], folder)
     edit_config(folder, **changes)
@@ -462,8 +512,8 @@ def test_export_refuses_a_family_that_cannot_hold_the_model(cli, imported, tmp_p
     result = cli("convert-ckpt", "export-hf", str(imported["qwen2"]), str(tmp_path / "out"), "--model-type", "llama")
     assert result.exit_code == 2 and "a llama model cannot hold this checkpoint's model" in result.stderr
     assert "model.add_qkv_bias=True" in result.stderr and not (tmp_path / "out").exists()
-    unknown = cli("convert-ckpt", "export-hf", str(imported["qwen2"]), str(tmp_path / "out"), "--model-type", "gpt2")
-    assert unknown.exit_code == 2 and "--model-type: 'gpt2' is not a family" in unknown.stderr
+    unknown = cli("convert-ckpt", "export-hf", str(imported["qwen2"]), str(tmp_path / "out"), "--model-type", "bloom")
+    assert unknown.exit_code == 2 and "--model-type: 'bloom' is not a family" in unknown.stderr
 
 
 def test_families_lists_every_family_with_its_limits(cli):

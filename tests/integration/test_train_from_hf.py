@@ -125,8 +125,8 @@ def test_a_command_line_field_that_contradicts_the_weights_is_refused(cli, hf_di
     (["checkpoint.export_hf_dir={tmp}/out"], "checkpoint.export_hf_dir: needs save set to a directory"),
     (["checkpoint.save={tmp}/save", "checkpoint.export_hf_dir={tmp}/taken"],
      "checkpoint.export_hf_dir: {tmp}/taken already exists and is not an empty folder"),
-    (["checkpoint.save={tmp}/save", "checkpoint.export_hf_dir={tmp}/out", "checkpoint.export_hf_model_type=gpt2"],
-     "checkpoint.export_hf_model_type: 'gpt2' is not a family bridge converts"),
+    (["checkpoint.save={tmp}/save", "checkpoint.export_hf_dir={tmp}/out", "checkpoint.export_hf_model_type=bloom"],
+     "checkpoint.export_hf_model_type: 'bloom' is not a family bridge converts"),
 ])
 def test_an_export_that_would_fail_after_training_is_refused_before_it(cli, tmp_path, overrides, fragment):
     (tmp_path / "taken").mkdir()

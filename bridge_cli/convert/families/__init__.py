@@ -17,6 +17,7 @@ from bridge_cli.convert.families.gemma import Gemma
 from bridge_cli.convert.families.gemma2 import Gemma2
 from bridge_cli.convert.families.gemma3 import Gemma3
 from bridge_cli.convert.families.glm4 import Glm4
+from bridge_cli.convert.families.gpt2 import Gpt2
 from bridge_cli.convert.families.gpt_oss import GptOss
 from bridge_cli.convert.families.llama import Llama
 from bridge_cli.convert.families.llama_like import LlamaLike
@@ -35,12 +36,13 @@ from bridge_cli.convert.hf_config import unsupported
 
 FAMILIES: dict[str, LlamaLike] = {family.model_type: family
                                   for family in (Llama(), Mistral(), Qwen2(), Qwen3(), Phi3(),
-                                                 Mixtral(), Qwen3Moe(), Olmoe(), Gemma3(), Gemma2(), GptOss(), Gemma(), Starcoder2(), Olmo2(), Qwen2Moe(), Glm4(), StableLm())}
+                                                 Mixtral(), Qwen3Moe(), Olmoe(), Gemma3(), Gemma2(), GptOss(), Gemma(),
+                                                 Starcoder2(), Olmo2(), Qwen2Moe(), Glm4(), StableLm(), Gpt2())}
 """model_type -> its family, in the order export tries them."""
 
 INFERRED = ("llama", "qwen2", "qwen3", "phi3",
-            "mixtral", "qwen3_moe", "olmoe", "gemma3_text", "gemma2", "gpt_oss", "gemma", "starcoder2", "olmo2", "qwen2_moe", "glm4",
-            "stablelm")
+            "mixtral", "qwen3_moe", "olmoe", "gemma3_text", "gemma2", "gpt_oss", "gemma", "starcoder2", "olmo2",
+            "qwen2_moe", "glm4", "stablelm", "gpt2")
 """The families export picks without --model-type."""
 
 
@@ -91,8 +93,8 @@ def for_export(model: Mapping[str, Any], model_type: Optional[str], where: Path)
     closest = min((FAMILIES[name] for name in INFERRED), key=lambda family: len(family.differences(model)))
     raise CheckpointError(
         f"{where}: export-hf writes Llama-style models ({supported()}: RMSNorm, SwiGLU, RoPE, no linear biases "
-        f"except Qwen2's on q/k/v, GPT-OSS's and StarCoder2's, whose LayerNorm GELU layers have them all), and this "
-        f"checkpoint's model has "
+        f"except Qwen2's on q/k/v, GPT-OSS's and StarCoder2's, whose LayerNorm GELU layers have them all; GPT-2 with "
+        f"learned positions), and this checkpoint's model has "
         f"{', '.join(closest.differences(model))} (differences from the closest family, {closest.model_type}).")
 
 

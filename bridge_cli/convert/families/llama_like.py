@@ -49,6 +49,14 @@ class LlamaLike:
     """Its names of the norms after the attention and after the MLP (``post_sublayer_norm``; None: none)."""
     norm_bias = False
     """Whether every norm, the final one included, has a bias (a LayerNorm's) besides its weight."""
+    hf_embedding = "model.embed_tokens"
+    """Hugging Face's name of the token embedding."""
+    hf_layers = "model.layers"
+    """Its prefix of the decoder layers (``<hf_layers>.<i>.``)."""
+    hf_attention = "self_attn"
+    """Its name of a layer's attention."""
+    hf_final_norm = "model.norm"
+    """Its name of the norm after the last layer."""
 
     # config.json -> model fields
 
@@ -59,24 +67,15 @@ class LlamaLike:
         DEFAULT_MAX_SEQ_LENGTH and at a sliding window). Raises CheckpointError for what
         megatron-core cannot build exactly.
         """
-        get = hf_config.getter(hf, where)
-        heads = get("num_attention_heads")
-        groups = hf.get("num_key_value_heads") or heads
-        if heads % groups:
-            unsupported(where, f"num_attention_heads ({heads}) is not a multiple of num_key_value_heads ({groups})")
+        shape = self.shape(hf, where)
         activation = self.activation(hf, where)
         self.check(hf, where)
+        vocab = shape["vocab_size"]
         return {
-            "num_layers": get("num_hidden_layers"),
-            "hidden_size": get("hidden_size"),
-            "ffn_hidden_size": get("intermediate_size"),
-            "num_attention_heads": heads,
-            "num_query_groups": groups,
-            "kv_channels": hf.get("head_dim") or get("hidden_size") // heads,
-            "vocab_size": get("vocab_size"),
+            **shape,
             # Megatron pads the embedding to a multiple of this (times TP); a power of two that divides
             # the vocabulary keeps it unpadded at TP=1, so the checkpoint holds exactly HF's rows.
-            "make_vocab_size_divisible_by": min(128, get("vocab_size") & -get("vocab_size")),
+            "make_vocab_size_divisible_by": min(128, vocab & -vocab),
             "seq_length": hf_config.seq_length(hf, where, seq_length, self.window(hf)),
             "share_embeddings_and_output_weights": bool(hf.get("tie_word_embeddings", False)),
             "normalization": "RMSNorm",
@@ -87,11 +86,27 @@ class LlamaLike:
             "qk_layernorm": self.fixed["qk_layernorm"],
             "position_embedding_type": "rope",
             **self.own_fixed(),
-            "rotary_percent": self.rotary_percent(hf, where),
-            **self.rope_fields(hf, where),
+            **self.position_fields(hf, where),
             "hidden_dropout": 0.0,
             "attention_dropout": float(hf.get("attention_dropout", 0.0)),
             "init_method_std": float(hf.get("initializer_range", 0.02)),
+        }
+
+    def shape(self, hf: Mapping[str, Any], where: Path) -> dict[str, Any]:
+        """The model's layer count and sizes (attention heads and groups, FFN, vocabulary) for config.json's."""
+        get = hf_config.getter(hf, where)
+        heads = get("num_attention_heads")
+        groups = hf.get("num_key_value_heads") or heads
+        if heads % groups:
+            unsupported(where, f"num_attention_heads ({heads}) is not a multiple of num_key_value_heads ({groups})")
+        return {
+            "num_layers": get("num_hidden_layers"),
+            "hidden_size": get("hidden_size"),
+            "ffn_hidden_size": get("intermediate_size"),
+            "num_attention_heads": heads,
+            "num_query_groups": groups,
+            "kv_channels": hf.get("head_dim") or get("hidden_size") // heads,
+            "vocab_size": get("vocab_size"),
         }
 
     def own_fixed(self) -> dict[str, Any]:
@@ -103,6 +118,10 @@ class LlamaLike:
         if hf.get("hidden_act", "silu") != "silu":
             unsupported(where, f"hidden_act {hf['hidden_act']!r}: the {self.model_type} family uses silu")
         return "silu"
+
+    def position_fields(self, hf: Mapping[str, Any], where: Path) -> dict[str, Any]:
+        """The model's fields of its position embedding besides position_embedding_type (RoPE's, here)."""
+        return {"rotary_percent": self.rotary_percent(hf, where), **self.rope_fields(hf, where)}
 
     def rope_fields(self, hf: Mapping[str, Any], where: Path) -> dict[str, Any]:
         """The model's RoPE base and scaling fields for config.json's RoPE settings."""
@@ -165,13 +184,18 @@ class LlamaLike:
     def pairs(self, arch: Architecture) -> list[Pair]:
         """Every parameter of the model, in the order a Hugging Face checkpoint lists them."""
         h, v = arch.hidden_size, arch.vocab_size
-        out = [Pair("embedding.word_embeddings.weight", (("model.embed_tokens.weight", (v, h)),), Layout.VOCAB)]
+        out = self.embedding_pairs(arch)
         for i in range(arch.num_layers):
-            out += self.layer_pairs(arch, i, f"decoder.layers.{i}.", f"model.layers.{i}.")
-        out += self.norm_pairs(arch, "decoder.final_layernorm", "model.norm")
+            out += self.layer_pairs(arch, i, f"decoder.layers.{i}.", f"{self.hf_layers}.{i}.")
+        out += self.norm_pairs(arch, "decoder.final_layernorm", self.hf_final_norm)
         if not arch.tied:
             out.append(Pair("output_layer.weight", (("lm_head.weight", (v, h)),), Layout.VOCAB))
         return out
+
+    def embedding_pairs(self, arch: Architecture) -> list[Pair]:
+        """The embedding before the first layer."""
+        return [Pair("embedding.word_embeddings.weight",
+                     ((f"{self.hf_embedding}.weight", (arch.vocab_size, arch.hidden_size)),), Layout.VOCAB)]
 
     def layer_pairs(self, arch: Architecture, layer: int, m: str, p: str) -> list[Pair]:
         """Decoder layer ``layer``: megatron-core names under ``m``, Hugging Face's under ``p``."""
@@ -180,7 +204,7 @@ class LlamaLike:
 
         pre, post = self.pre_norms, self.post_norms
         return [*(norm("input_layernorm", pre[0]) if pre else []),
-                *self.attention_pairs(arch, m + "self_attention.", p + "self_attn."),
+                *self.attention_pairs(arch, m + "self_attention.", f"{p}{self.hf_attention}."),
                 *(norm("self_attn_bda.norm", post[0]) if post else []),
                 *(norm("pre_mlp_layernorm", pre[1]) if pre else []),
                 *self.feed_forward_pairs(arch, layer, m + "mlp.", p + "mlp."),
