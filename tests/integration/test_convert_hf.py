@@ -96,12 +96,16 @@ MODELS = {
                                                                use_qkv_bias=True, tie_word_embeddings=False), None),
     # learned positions, LayerNorms with biases, Conv1D linears ([in, out]) with biases, fused c_attn, tied
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(vocab_size=512, bos_token_id=None, eos_token_id=None), None),
+    # biases on q/k/v, head_dim (32) other than hidden/heads (16), attention and residual dropout (off in eval)
+    "seed_oss": ("SeedOssConfig", "SeedOssForCausalLM", dict(vocab_size=512, head_dim=32, rope_theta=1000000.0,
+                                                             attention_dropout=0.1, residual_dropout=0.1), None),
 }
 MOE = ("mixtral", "qwen3_moe", "olmoe", "gpt_oss", "qwen2_moe")
 """The mixture-of-experts families, loaded at EP=2 too (and at TP=2 with their experts split, GPT-OSS's biased
 ones excepted: megatron-core computes those at expert TP 1)."""
-EXPORT_ARGS = {"mistral": ["--model-type", "mistral"]}
-"""export-hf picks the family from the model; a Mistral (without its window, a Llama) must be named."""
+EXPORT_ARGS = {"mistral": ["--model-type", "mistral"], "seed_oss": ["--model-type", "seed_oss"]}
+"""export-hf picks the family from the model; a Mistral (without its window, a Llama) and a Seed-OSS (a Qwen2)
+must be named."""
 
 
 def hf_model(name: str):
@@ -238,7 +242,7 @@ def test_import_writes_a_checkpoint_and_recipe_in_the_project_layout(imported):
         assert model["vocab_size"] % model["make_vocab_size_divisible_by"] == 0  # no padding rows at TP=1
         assert recipe["checkpoint"]["pretrained_checkpoint"] == str(folder.resolve())
         assert model["add_qkv_bias"] == (name in ("qwen2", "gpt_oss", "starcoder2", "qwen2_moe", "glm4", "stablelm",
-                                                  "gpt2"))
+                                                  "gpt2", "seed_oss"))
         assert model["share_embeddings_and_output_weights"] == (name in ("qwen2", "gemma3_text", "gemma2", "gemma",
                                                                          "starcoder2", "gpt2"))
         assert model.get("rope_scaling") == (None if name == "gpt2" else name == "llama")
@@ -263,6 +267,9 @@ def test_import_writes_a_checkpoint_and_recipe_in_the_project_layout(imported):
     assert (gpt2["position_embedding_type"], gpt2["normalization"], gpt2["add_bias_linear"], gpt2["gated_linear_unit"],
             gpt2["activation_func"], gpt2["bias_activation_fusion"], gpt2["ffn_hidden_size"],
             gpt2["num_query_groups"]) == ("learned_absolute", "LayerNorm", True, False, "fast_gelu", False, 256, 4)
+    seed_oss = yaml.safe_load((imported["seed_oss"] / "recipe.yaml").read_text())["model"]
+    assert (seed_oss["kv_channels"], seed_oss["add_bias_linear"], seed_oss["attention_dropout"],
+            seed_oss["hidden_dropout"]) == (32, False, 0.1, 0.0)
     stablelm = yaml.safe_load((imported["stablelm"] / "recipe.yaml").read_text())["model"]
     assert (stablelm["normalization"], stablelm["gated_linear_unit"], stablelm["add_bias_linear"]) == (
         "LayerNorm", True, False)
@@ -452,6 +459,7 @@ def test_import_errors_name_the_problem_and_leave_no_output(cli, broken, tmp_pat
     ("gpt2", dict(scale_attn_weights=False), ["scale_attn_weights false"]),
     ("gpt2", dict(activation_function="relu"), ["activation_function 'relu'", "gelu_new or gelu_pytorch_tanh"]),
     ("gpt2", dict(tie_word_embeddings=False), ["tie_word_embeddings false"]),
+    ("seed_oss", dict(attention_out_bias=True), ["attention_out_bias/mlp_bias: megatron-core puts the o_proj"]),
 ])
 def test_import_refuses_what_megatron_core_cannot_compute(cli, hf_dirs, tmp_path, name, changes, fragments):
     folder = tmp_path / "hf"

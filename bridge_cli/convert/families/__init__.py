@@ -3,7 +3,7 @@ the registry that `import-hf`, `export-hf` and `families` use. No torch import.
 
 Import picks the family by config.json's ``model_type``. Export takes ``--model-type`` or picks
 the first family, in registry order, whose fixed fields the checkpoint's model has (Mistral
-never: a Mistral without its sliding window is the identical Llama).
+never: a Mistral without its sliding window is the identical Llama; Seed-OSS never: it is the identical Qwen2).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from bridge_cli.convert.families.qwen2 import Qwen2
 from bridge_cli.convert.families.qwen2_moe import Qwen2Moe
 from bridge_cli.convert.families.qwen3 import Qwen3
 from bridge_cli.convert.families.qwen3_moe import Qwen3Moe
+from bridge_cli.convert.families.seed_oss import SeedOss
 from bridge_cli.convert.families.stablelm import StableLm
 from bridge_cli.convert.families.starcoder2 import Starcoder2
 from bridge_cli.convert.hf_config import unsupported
@@ -37,7 +38,8 @@ from bridge_cli.convert.hf_config import unsupported
 FAMILIES: dict[str, LlamaLike] = {family.model_type: family
                                   for family in (Llama(), Mistral(), Qwen2(), Qwen3(), Phi3(),
                                                  Mixtral(), Qwen3Moe(), Olmoe(), Gemma3(), Gemma2(), GptOss(), Gemma(),
-                                                 Starcoder2(), Olmo2(), Qwen2Moe(), Glm4(), StableLm(), Gpt2())}
+                                                 Starcoder2(), Olmo2(), Qwen2Moe(), Glm4(), StableLm(), Gpt2(),
+                                                 SeedOss())}
 """model_type -> its family, in the order export tries them."""
 
 INFERRED = ("llama", "qwen2", "qwen3", "phi3",
