@@ -200,7 +200,8 @@ def trained_gpt2(work) -> Path:
     save = work / "trained_gpt2"
     ok(bridge("pretrain", "recipe=gpt2_124m", "model.num_layers=2", "model.hidden_size=64", "model.ffn_hidden_size=256",
               "model.num_attention_heads=4", "model.vocab_size=520", "model.seq_length=128",
-              "model.compile_layers=false", "train.micro_batch_size=2", "train.global_batch_size=4", "train.train_iters=2", "train.eval_iters=0",
+              "model.compile_layers=false", "train.micro_batch_size=2", "train.global_batch_size=4",
+              "train.train_iters=2", "train.eval_iters=0",
               "mixed_precision=fp32", "optimizer.use_distributed_optimizer=false", f"checkpoint.save={save}"))
     return save
 
