@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from bridge_cli.runtime.errors import RuntimeUnavailable
 from bridge_cli.runtime.grad_norm import clip_inside_fused_adam, use_foreach_clip_grads
-from bridge_cli.runtime.triton_adam import use_triton_adam
+from bridge_cli.runtime.triton_adam import set_torch_kernel, torch_adams, use_triton_adam
 
 if TYPE_CHECKING:
     from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig
@@ -80,12 +80,8 @@ def use_fused_adam(optimizer: MegatronOptimizer) -> None:
     """
     import torch
 
-    for member in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(member, "optimizer", None)
-        if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
-            continue
-        for group in (inner.defaults, *inner.param_groups):
-            group["fused"], group["foreach"] = True, False
+    for _, inner in torch_adams(optimizer):
+        set_torch_kernel(inner, fused=True)
         clip_inside_fused_adam(inner)
         for param, state in inner.state.items():
             if isinstance(state.get("step"), torch.Tensor):

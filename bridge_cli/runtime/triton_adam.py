@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -34,13 +34,9 @@ WARPS = 8
 def use_triton_adam(optimizer) -> None:
     """Step each torch Adam/AdamW inside megatron-core's ``optimizer`` with :class:`TritonAdamStep`, writing the
     model weights megatron-core would copy. Call after building it and again after loading its state."""
-    for member in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(member, "optimizer", None)
-        if not isinstance(inner, torch.optim.Adam):
-            continue
+    for member, inner in torch_adams(optimizer):
         model_weights = _model_weights(member)
-        for group in (inner.defaults, *inner.param_groups):
-            group["fused"], group["foreach"] = False, False  # the step counter stays on the host (torch's default)
+        set_torch_kernel(inner, fused=False)  # the step counter stays on the host (torch's default)
         for state in inner.state.values():
             if "step" in state:  # one host counter each (megatron-core's load hands every state one tensor)
                 state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32)
@@ -49,6 +45,22 @@ def use_triton_adam(optimizer) -> None:
         if model_weights:
             member._copy_main_params_to_model_params = _CopyUnlessStepped(
                 member._copy_main_params_to_model_params, inner.step)
+
+
+def torch_adams(optimizer) -> Iterator[tuple[Any, torch.optim.Adam]]:
+    """Each member of megatron-core's ``optimizer`` that steps a torch Adam/AdamW, with that Adam (Transformer
+    Engine's and Apex's FusedAdam are no torch Adam)."""
+    for member in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(member, "optimizer", None)
+        if isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+            yield member, inner
+
+
+def set_torch_kernel(adam: torch.optim.Adam, fused: bool) -> None:
+    """Choose torch's fused kernel (``fused``) or its per-tensor one for ``adam``'s own step, now and for groups
+    added later."""
+    for group in (adam.defaults, *adam.param_groups):
+        group["fused"], group["foreach"] = fused, False
 
 
 def _model_weights(member) -> dict[int, torch.Tensor]:
