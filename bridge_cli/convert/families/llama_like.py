@@ -83,7 +83,7 @@ class LlamaLike:
             "activation_func": activation,
             "gated_linear_unit": True,
             "add_bias_linear": False,
-            "qk_layernorm": self.fixed["qk_layernorm"],
+            "qk_layernorm": False,
             "position_embedding_type": "rope",
             **self.own_fixed(),
             **self.position_fields(hf, where),
