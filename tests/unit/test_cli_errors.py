@@ -19,6 +19,8 @@ def assert_user_error(result, *fragments: str) -> None:
     (["+train.train_iters=5"], ["train.train_iters: already exists", "Drop the '+'"]),
     (["+train.not_a_field=5"], ["train.not_a_field: unknown key"]),
     (["train.lr=0.1"], ["train.lr: unknown key", "optimizer.lr"]),
+    (["optimizer.use_torch_fused_adam=false"], ["optimizer.use_torch_fused_adam: unknown key", "it was replaced",
+                                                "optimizer.adam_kernel", "false foreach"]),
     (["train.train_iters=abc"], ["train.train_iters", "'abc'", "Integer"]),
     (["scheduler.lr_decay_style=cosin"], ["scheduler.lr_decay_style: 'cosin' is not allowed", "cosine"]),
     (["model.normalization=BatchNorm"], ["model.normalization", "LayerNorm, RMSNorm"]),
