@@ -153,19 +153,18 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
 class _Fp8Gemm:
     """Mixin for megatron-core's parallel linears: the GEMM in fp8, megatron-core's TP mappings around it."""
 
+    bf16_class: type
+    """The megatron-core linear this one becomes where it runs in bf16 (:func:`run_in_bf16`)."""
+
     def __init__(self, *args, fp8: Fp8Scaling, **kwargs):
         super().__init__(*args, **kwargs)
-        dims_fit = self.weight is not None and all(d % GEMM_MULTIPLE == 0 for d in self.weight.shape)
-        self.fp8: Optional[Fp8Scaling] = fp8 if dims_fit else None
-        """None: this layer runs in bf16 (a dimension not a multiple of 16, or a bf16 layer by config)."""
+        self.fp8: Optional[Fp8Scaling] = fp8
+        """None: a linear built for fp8 that runs in bf16 (then of megatron-core's own class)."""
+        if not _fits_fp8(self.weight):
+            run_in_bf16(self)
 
-    def _forward_impl(self, input, weight, bias=None, gradient_accumulation_fusion=False, allreduce_dgrad=False,
-                      sequence_parallel=False, tp_group=None, **rest):
-        if self.fp8 is None:
-            return super()._forward_impl(input=input, weight=weight, bias=bias,
-                                         gradient_accumulation_fusion=gradient_accumulation_fusion,
-                                         allreduce_dgrad=allreduce_dgrad, sequence_parallel=sequence_parallel,
-                                         tp_group=tp_group, **rest)
+    def _forward_impl(self, input, weight, bias=None, allreduce_dgrad=False, sequence_parallel=False, tp_group=None,
+                      **rest):
         if sequence_parallel:  # forward all-gather of the sequence, backward reduce-scatter
             input = gather_from_sequence_parallel_region(input, group=tp_group)
         elif allreduce_dgrad:  # forward identity, backward all-reduce of the input gradient
@@ -176,9 +175,25 @@ class _Fp8Gemm:
 class Fp8ColumnParallelLinear(_Fp8Gemm, ColumnParallelLinear):
     """megatron-core's ColumnParallelLinear with an FP8 GEMM (same parameters and state-dict keys)."""
 
+    bf16_class = ColumnParallelLinear
+
 
 class Fp8RowParallelLinear(_Fp8Gemm, RowParallelLinear):
     """megatron-core's RowParallelLinear with an FP8 GEMM (same parameters and state-dict keys)."""
+
+    bf16_class = RowParallelLinear
+
+
+def _fits_fp8(weight: Optional[torch.Tensor]) -> bool:
+    return weight is not None and all(d % GEMM_MULTIPLE == 0 for d in weight.shape)
+
+
+def run_in_bf16(linear: _Fp8Gemm) -> None:
+    """Turn an FP8 linear back into megatron-core's own (same module and parameters), marked ``fp8 = None``.
+    As megatron-core's class it takes every path a bf16 linear takes: ``model.gradient_accumulation_fusion``'s
+    in-graph accumulation, which keeps a compiled layer one graph (megatron-core's linear breaks it)."""
+    linear.fp8 = None
+    linear.__class__ = linear.bf16_class
 
 
 def keep_layers_in_bf16(model: torch.nn.Module, config) -> int:
@@ -190,8 +205,8 @@ def keep_layers_in_bf16(model: torch.nn.Module, config) -> int:
     for layer in model.modules():
         if isinstance(layer, TransformerLayer) and is_first_last_bf16_layer(config, layer.layer_number - 1):
             for module in layer.modules():
-                if isinstance(module, _Fp8Gemm) and module.fp8 is not None:
-                    module.fp8 = None
+                if isinstance(module, _Fp8Gemm):
+                    run_in_bf16(module)
                     switched += 1
     return switched
 
@@ -201,12 +216,14 @@ def output_layer_in_fp8(model: torch.nn.Module, config) -> None:
     when the two are tied) as an FP8 GEMM: ``model.fp8_output_layer``."""
     layer = model.output_layer
     weight = layer.weight if layer.weight is not None else model.shared_embedding_or_output_weight()
-    layer.__class__ = Fp8ColumnParallelLinear  # the same module and parameters; only _forward_impl differs
-    layer.fp8 = Fp8Scaling.from_config(config) if all(d % GEMM_MULTIPLE == 0 for d in weight.shape) else None
+    layer.fp8 = Fp8Scaling.from_config(config) if _fits_fp8(weight) else None
+    if layer.fp8 is not None:
+        layer.__class__ = Fp8ColumnParallelLinear  # the same module and parameters; only _forward_impl differs
 
 
 def fp8_linear_count(model: torch.nn.Module) -> tuple[int, int]:
     """(linears running in fp8, linears built for fp8 that run in bf16) in ``model``."""
-    layers = [m for m in model.modules() if isinstance(m, _Fp8Gemm)]
-    fp8 = sum(m.fp8 is not None for m in layers)
-    return fp8, len(layers) - fp8
+    fp8 = sum(isinstance(m, _Fp8Gemm) for m in model.modules())
+    bf16 = sum(isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and vars(m).get("fp8", False) is None
+               for m in model.modules())
+    return fp8, bf16

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 from bridge_cli.models.fp8_linear import (
     Fp8ColumnParallelLinear,
@@ -133,6 +134,8 @@ def test_a_gpt_model_runs_its_layer_linears_in_fp8_with_the_bf16_checkpoint_keys
     assert fp8.config.fp8 is None  # megatron-core's own (Transformer Engine) fp8 paths stay off
     assert fp8_linear_count(fp8) == (8, 8)  # 4 linears a layer: layers 2, 3 in fp8, the first and last in bf16
     assert fp8.decoder.layers[0].mlp.linear_fc1.fp8 is None and layer.mlp.linear_fc1.fp8 == TENSORWISE
+    # a bf16 layer's linears are megatron-core's own again, so every bf16 path (the in-graph wgrad) takes them
+    assert type(fp8.decoder.layers[0].mlp.linear_fc1) is ColumnParallelLinear
     assert_loads_and_runs_like(fp8, bf16)
     assert layer.self_attention.linear_qkv.weight.grad is not None
 
@@ -152,7 +155,7 @@ def test_a_linear_whose_partition_is_not_a_multiple_of_16_stays_bf16(one_process
     model = build("e4m3", fp8_recipe="rowwise", ffn_hidden_size=120)
     fc1, fc2 = model.decoder.layers[0].mlp.linear_fc1, model.decoder.layers[0].mlp.linear_fc2
     assert fc1.fp8 is not None  # 2 x 120 = 240 rows (SwiGLU's gate and up)
-    assert fc2.fp8 is None  # 120 inputs
+    assert fc2.fp8 is None and type(fc2) is RowParallelLinear  # 120 inputs
 
 
 TENSORWISE_PRESET = "mixed_precision=bf16_with_fp8_current_scaling_mixed"
