@@ -61,21 +61,26 @@ def rope(hf: Mapping[str, Any], where: Path, hint: str = "") -> tuple[int, Optio
     """
     parameters = hf.get("rope_parameters") or {}
     scaling = hf.get("rope_scaling") or parameters
-    theta = hf.get("rope_theta", parameters.get("rope_theta", 10000.0))
-    if not isinstance(theta, (int, float)) or theta != int(theta):
-        unsupported(where, f"rope_theta {theta!r}: megatron-core's rotary_base is an integer")
+    theta = integer_theta(hf.get("rope_theta", parameters.get("rope_theta", 10000.0)), "rope_theta", where)
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "default":
-        return int(theta), None
+        return theta, None
     if kind != "llama3":
         unsupported(where, f"RoPE scaling {kind!r}",
-                    f"{hint}Supported: none (default) and llama3 (Llama 3.1/3.2), what megatron-core's rotary "
-                    "embedding implements.")
+                    f"{hint}Supported: none (default), llama3 (Llama 3.1/3.2) and yarn, what megatron-core's rotary "
+                    "embeddings implement.")
     fixed = {key: scaling.get(key) for key in LLAMA3_ROPE_FIXED}
     if fixed != LLAMA3_ROPE_FIXED or not isinstance(scaling.get("factor"), (int, float)):
         unsupported(where, f"llama3 RoPE scaling with factor {scaling.get('factor')!r} and {fixed}",
                     f"megatron-core implements a numeric factor with {LLAMA3_ROPE_FIXED} only.")
-    return int(theta), float(scaling["factor"])
+    return theta, float(scaling["factor"])
+
+
+def integer_theta(theta: Any, key: str, where: Path) -> int:
+    """A RoPE base from config.json's ``key``: megatron-core's is an integer."""
+    if not isinstance(theta, (int, float)) or theta != int(theta):
+        unsupported(where, f"{key} {theta!r}: megatron-core's RoPE base is an integer")
+    return int(theta)
 
 
 def partial_rotary_factor(hf: Mapping[str, Any], where: Path) -> float:

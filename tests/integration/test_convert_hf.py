@@ -45,9 +45,10 @@ MODELS = {
     # biases on q/k/v, tied embeddings
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(vocab_size=512, rope_theta=1000000.0,
                                                       tie_word_embeddings=True), None),
-    # per-head q/k RMSNorm, head_dim (32) other than hidden/heads (16)
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(vocab_size=640, head_dim=32, rope_theta=1000000.0,
-                                                      tie_word_embeddings=False), None),
+    # per-head q/k RMSNorm, head_dim (32) other than hidden/heads (16), YaRN RoPE (as Qwen's model cards add it)
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(
+        vocab_size=640, head_dim=32, rope_theta=1000000.0, tie_word_embeddings=False,
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}), None),
     # fused qkv_proj and gate_up_proj, RoPE on half of each head, a window that caps seq_length
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(vocab_size=576, partial_rotary_factor=0.5, sliding_window=64,
                                                    eos_token_id=2, pad_token_id=None, tie_word_embeddings=False), None),
@@ -280,6 +281,9 @@ def test_import_writes_a_checkpoint_and_recipe_in_the_project_layout(imported):
     qwen2_moe = yaml.safe_load((imported["qwen2_moe"] / "recipe.yaml").read_text())["model"]
     assert (qwen2_moe["moe_shared_expert_intermediate_size"], qwen2_moe["moe_shared_expert_gate"],
             qwen2_moe["moe_layer_freq"]) == (96, True, [0, 1])
+    qwen3 = yaml.safe_load((imported["qwen3"] / "recipe.yaml").read_text())["model"]
+    assert (qwen3["position_embedding_type"], qwen3["yarn_rotary_scaling_factor"],
+            qwen3["yarn_original_max_position_embeddings"]) == ("yarn", 4.0, 32)
     gpt_oss = yaml.safe_load((imported["gpt_oss"] / "recipe.yaml").read_text())["model"]
     assert (gpt_oss["position_embedding_type"], gpt_oss["yarn_rotary_scaling_factor"],
             gpt_oss["yarn_correction_range_round_to_int"]) == ("yarn", 32.0, False)
@@ -425,7 +429,10 @@ def truncate(file: Path) -> None:
      ["tensors a mistral model does not have: model.layers.0.self_attn.q_norm.weight"]),
     (lambda f: truncate(f / "model.safetensors"), [], ["model.safetensors: not a readable safetensors file"]),
     (lambda f: (f / "model.safetensors").unlink(), [], ["holds no *.safetensors file"]),
-    (lambda f: edit_config(f, rope_scaling={"rope_type": "yarn", "factor": 4.0}), [], ["RoPE scaling 'yarn'"]),
+    (lambda f: edit_config(f, rope_scaling={"rope_type": "dynamic", "factor": 4.0}), [],
+     ["RoPE scaling 'dynamic'", "llama3 (Llama 3.1/3.2) and yarn"]),
+    (lambda f: edit_config(f, model_type="phi3", partial_rotary_factor=0.5,
+                           rope_scaling={"rope_type": "yarn", "factor": 4.0}), [], ["yarn with RoPE on 0.5 of each"]),
     (lambda f: edit_config(f, model_type="phi3", rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 8,
                                                                "long_factor": [2.0] * 8}), [],
      ["RoPE scaling 'longrope'", "LongRoPE (Phi-3 128k"]),

@@ -4,7 +4,6 @@ refuses. The whole model against transformers' is tests/integration/test_convert
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import pytest
@@ -37,7 +36,7 @@ def yarn_model(rope: dict):
 
     fields = FAMILY.rope_fields({"rope_scaling": rope, "rope_theta": 150000}, WHERE)
     config = GPTModelProvider(num_layers=1, hidden_size=64, num_attention_heads=2, kv_channels=64, vocab_size=128,
-                              seq_length=8192, normalization="RMSNorm", position_embedding_type="yarn",
+                              seq_length=8192, normalization="RMSNorm",
                               spec="torch", use_cpu_initialization=True, **fields)
     return config.provide()
 
@@ -115,8 +114,8 @@ def test_export_writes_back_what_import_read():
     assert {key: again[key] for key in fields if key != "seq_length"} == {
         key: value for key, value in fields.items() if key != "seq_length"}
     unclamped = FAMILY.differences({**model, "activation_func_clamp_value": None, "yarn_mscale": 2.0})
-    assert unclamped == ["model.activation_func_clamp_value=None",
-                         "model.yarn_mscale=2.0 with model.yarn_mscale_all_dim=0.0"]
+    assert unclamped == ["model.yarn_mscale=2.0 with model.yarn_mscale_all_dim=0.0",
+                         "model.activation_func_clamp_value=None"]
 
 
 @pytest.mark.parametrize("change, fragment", [
@@ -163,13 +162,6 @@ def test_stacked_experts_split_and_stack_again_bit_for_bit():
         assert torch.equal(to_hf(pairs[name], per_expert, arch)[0], bias)
     assert torch.equal(per_expert[0], bias[0])
     assert torch.equal(to_mcore(pairs["gate_up_proj_bias"], [gate_up[:, 0]], arch)[2], fc1[2][:, 0])
-
-
-def test_attention_factor_is_transformers_default():
-    from bridge_cli.convert.families.gpt_oss import attention_factor
-
-    assert attention_factor(32.0, 1.0, 0.0) == 0.1 * math.log(32.0) + 1.0
-    assert attention_factor(1.0, 1.0, 0.0) == 1.0
 
 
 @pytest.mark.parametrize("args, fragments", [

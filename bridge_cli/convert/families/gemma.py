@@ -21,7 +21,7 @@ class Gemma(LlamaLike):
     model_type = "gemma"
     architecture = "GemmaForCausalLM"
     models = "Gemma 2B, 7B, CodeGemma; 1 + w RMSNorms, scaled embeddings, tanh-GELU gated MLP"
-    limits = "refuses attention_bias, bidirectional attention and RoPE scalings other than llama3"
+    limits = "refuses attention_bias, bidirectional attention and RoPE scalings other than llama3 and yarn"
     fixed = {**LlamaLike.fixed, "activation_func": "fast_gelu", "layernorm_zero_centered_gamma": True,
              "scale_embeddings": True}
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping
 
-from bridge_cli.convert.families.gemma3 import Gemma3, integer_theta
+from bridge_cli.convert import hf_config
+from bridge_cli.convert.families.gemma3 import Gemma3
 from bridge_cli.convert.hf_config import unsupported
 
 
@@ -37,7 +38,7 @@ class Gemma2(Gemma3):
         if kind != "default":
             unsupported(where, f"RoPE scaling {kind!r}: Gemma 2's RoPE is unscaled")
         theta = parameters.get("rope_theta", hf.get("rope_theta", 10_000.0))
-        return {"rotary_base": integer_theta(theta, "rope_theta", where), "local_rotary_base": None,
+        return {"rotary_base": hf_config.integer_theta(theta, "rope_theta", where), "local_rotary_base": None,
                 "seq_len_interpolation_factor": None, "rope_scaling": False, "rope_scaling_factor": 8.0}
 
     def hf_extras(self, model: Mapping[str, Any]) -> dict[str, Any]:

@@ -28,6 +28,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
+from bridge_cli.convert import hf_config
 from bridge_cli.convert.families.gemma import refuse_gemma_options
 from bridge_cli.convert.families.llama_like import LLAMA_STYLE, LlamaLike
 from bridge_cli.convert.families.windows import layer_types, window_config, window_fields
@@ -87,8 +88,8 @@ class Gemma3(LlamaLike):
         if sliding.get("rope_type", sliding.get("type", "default")) != "default":
             unsupported(where, f"RoPE scaling {sliding.get('rope_type', sliding.get('type'))!r} in the sliding-window "
                                "layers: megatron-core's rotary embedding of those layers is unscaled")
-        return {"rotary_base": integer_theta(full["rope_theta"], "rope_theta", where),
-                "local_rotary_base": integer_theta(sliding["rope_theta"], "rope_local_base_freq", where),
+        return {"rotary_base": hf_config.integer_theta(full["rope_theta"], "rope_theta", where),
+                "local_rotary_base": hf_config.integer_theta(sliding["rope_theta"], "rope_local_base_freq", where),
                 "seq_len_interpolation_factor": None if factor is None else float(factor),
                 "rope_scaling": False, "rope_scaling_factor": 8.0}
 
@@ -137,8 +138,4 @@ def _soft_cap(value: Any, key: str, where: Path) -> Optional[float]:
     return None if value is None else float(value)
 
 
-def integer_theta(theta: Any, key: str, where: Path) -> int:
-    if not isinstance(theta, (int, float)) or theta != int(theta):
-        unsupported(where, f"{key} {theta!r}: megatron-core's RoPE base is an integer")
-    return int(theta)
 

@@ -29,8 +29,7 @@ import math
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
-from bridge_cli.convert import hf_config
-from bridge_cli.convert.families.gemma3 import integer_theta
+from bridge_cli.convert import hf_config, yarn
 from bridge_cli.convert.families.llama_like import LLAMA_STYLE, LlamaLike
 from bridge_cli.convert.families.moe import MoELike, moe_fixed
 from bridge_cli.convert.families.windows import layer_types, window_config, window_fields
@@ -105,38 +104,11 @@ class GptOss(MoELike, LlamaLike):
         return {"moe_router_pre_softmax": False}
 
     def rope_fields(self, hf: Mapping[str, Any], where: Path) -> dict[str, Any]:
-        parameters = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
-        kind = parameters.get("rope_type", parameters.get("type", "default"))
-        if kind != "yarn":
+        if not yarn.is_yarn(hf):
+            parameters = yarn.rope_parameters(hf)
+            kind = parameters.get("rope_type", parameters.get("type", "default"))
             unsupported(where, f"RoPE {kind!r}: the gpt_oss family converts GPT-OSS's yarn")
-        if parameters.get("partial_rotary_factor", 1.0) != 1.0:
-            unsupported(where, f"partial_rotary_factor {parameters['partial_rotary_factor']!r} with yarn: "
-                               "megatron-core's YaRN rotates whole heads")
-        original = parameters.get("original_max_position_embeddings")
-        if not isinstance(original, int) or original < 1:
-            unsupported(where, f"yarn original_max_position_embeddings {original!r}: a positive integer is needed")
-        factor = parameters.get("factor")
-        if factor is None:  # transformers' default, the ratio of the context lengths
-            factor = hf_config.getter(hf, where)("max_position_embeddings") / original
-        if not isinstance(factor, (int, float)) or factor <= 0:
-            unsupported(where, f"yarn factor {factor!r}: a positive number is needed")
-        # transformers uses mscale and mscale_all_dim only when both are set and non-zero
-        mscale, mscale_all_dim = parameters.get("mscale"), parameters.get("mscale_all_dim")
-        if not (mscale and mscale_all_dim):
-            mscale, mscale_all_dim = 1.0, 0.0
-        wanted = parameters.get("attention_factor")
-        derived = attention_factor(factor, mscale, mscale_all_dim)
-        if wanted is not None and wanted != derived:
-            unsupported(where, f"yarn attention_factor {wanted!r}: megatron-core scales cos/sin by the factor "
-                               f"that factor, mscale and mscale_all_dim give ({derived!r})")
-        theta = parameters.get("rope_theta", hf.get("rope_theta", 150_000.0))
-        return {"rotary_base": integer_theta(theta, "rope_theta", where), "rope_scaling": False,
-                "rope_scaling_factor": 8.0,
-                "yarn_rotary_scaling_factor": float(factor), "yarn_original_max_position_embeddings": original,
-                "yarn_beta_fast": float(parameters.get("beta_fast") or 32.0),
-                "yarn_beta_slow": float(parameters.get("beta_slow") or 1.0),
-                "yarn_mscale": float(mscale), "yarn_mscale_all_dim": float(mscale_all_dim),
-                "yarn_correction_range_round_to_int": bool(parameters.get("truncate", True))}
+        return yarn.model_fields(hf, where, default_theta=150_000.0)
 
     # model fields -> config.json
 
@@ -144,20 +116,11 @@ class GptOss(MoELike, LlamaLike):
         out = super().differences(model)
         if "activation_func_clamp_value" in model and model["activation_func_clamp_value"] is None:
             out.append("model.activation_func_clamp_value=None")  # transformers' GPT-OSS always clamps
-        mscales = (model.get("yarn_mscale", 1.0), model.get("yarn_mscale_all_dim", 0.0))
-        if mscales != (1.0, 0.0) and not all(mscales):  # transformers reads the two only when both are non-zero
-            out.append(f"model.yarn_mscale={mscales[0]} with model.yarn_mscale_all_dim={mscales[1]}")
         return out
 
     def hf_extras(self, model: Mapping[str, Any]) -> dict[str, Any]:
-        mscale, mscale_all_dim = model["yarn_mscale"], model["yarn_mscale_all_dim"]
-        rope = {"rope_type": "yarn", "factor": model["yarn_rotary_scaling_factor"],
-                "original_max_position_embeddings": model["yarn_original_max_position_embeddings"],
-                "beta_fast": model["yarn_beta_fast"], "beta_slow": model["yarn_beta_slow"],
-                "truncate": model["yarn_correction_range_round_to_int"],
-                **({"mscale": mscale, "mscale_all_dim": mscale_all_dim} if mscale_all_dim else {})}
         return {**self.moe_config(model), "intermediate_size": model["moe_ffn_hidden_size"], "attention_bias": True,
-                "rope_scaling": rope, "swiglu_alpha": SWIGLU_ALPHA,
+                "swiglu_alpha": SWIGLU_ALPHA,
                 "swiglu_limit": model["activation_func_clamp_value"], **window_config(model)}
 
     # tensors
@@ -180,12 +143,3 @@ class GptOss(MoELike, LlamaLike):
                 Pair(experts("linear_fc1.bias"), ((x + "gate_up_proj_bias", (e, 2 * f)),), Layout.EXPERTS_GATE_UP),
                 Pair(experts("linear_fc2.weight"), ((x + "down_proj", (e, f, h)),), Layout.EXPERTS_T),
                 Pair(experts("linear_fc2.bias"), ((x + "down_proj_bias", (e, h)),), Layout.EXPERTS)]
-
-
-def attention_factor(factor: float, mscale: float, mscale_all_dim: float) -> float:
-    """YaRN's cos/sin scale, as transformers and megatron-core both compute it."""
-
-    def get_mscale(scale: float, weight: float) -> float:
-        return 1.0 if scale <= 1 else 0.1 * weight * math.log(scale) + 1.0
-
-    return float(get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim))

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
-from bridge_cli.convert import hf_config
+from bridge_cli.convert import hf_config, yarn
 from bridge_cli.convert.hf_config import LLAMA3_ROPE_FIXED, unsupported
 from bridge_cli.convert.hf_weights import Architecture, Layout, Pair
 
@@ -26,6 +26,8 @@ LLAMA_STYLE = {
     "attn_logit_softcapping": None, "final_logit_softcapping": None,
 }
 """The model fields every family here fixes (the shapes aside), unless it overrides one."""
+_YARN_FOR_ROPE = ("position_embedding_type", "rope", "yarn")
+"""(field, fixed value, model's value) that differences() accepts: a family of plain RoPE takes YaRN's too."""
 
 
 class LlamaLike:
@@ -35,9 +37,9 @@ class LlamaLike:
     """config.json's ``model_type``."""
     architecture = "LlamaForCausalLM"
     """The transformers class an exported folder is loaded with."""
-    models = "Llama 2, 3, 3.1, 3.2; tied or untied embeddings; Llama 3.1 RoPE scaling"
+    models = "Llama 2, 3, 3.1, 3.2; tied or untied embeddings; Llama 3.1 and YaRN RoPE scaling"
     """What the family covers, for `bridge convert-ckpt families`."""
-    limits = "refuses attention_bias/mlp_bias and RoPE scalings other than llama3"
+    limits = "refuses attention_bias/mlp_bias and RoPE scalings other than llama3 and yarn"
     """What its import refuses, for `bridge convert-ckpt families`."""
     rope_hint = ""
     """Why this family's other RoPE scalings cannot be expressed (starts the refusal's hint)."""
@@ -120,11 +122,20 @@ class LlamaLike:
         return "silu"
 
     def position_fields(self, hf: Mapping[str, Any], where: Path) -> dict[str, Any]:
-        """The model's fields of its position embedding besides position_embedding_type (RoPE's, here)."""
-        return {"rotary_percent": self.rotary_percent(hf, where), **self.rope_fields(hf, where)}
+        """The model's fields of its position embedding (RoPE's, here; YaRN-scaled RoPE where config.json says so)."""
+        rotary_percent = self.rotary_percent(hf, where)
+        if yarn.is_yarn(hf) and rotary_percent != 1.0:
+            unsupported(where, f"yarn with RoPE on {rotary_percent} of each head: megatron-core's YaRN rotates "
+                               "whole heads")
+        if yarn.is_yarn(hf) and self.fixed.get("rotary_interleaved"):
+            unsupported(where, f"yarn with the {self.model_type} family's interleaved RoPE: megatron-core's YaRN "
+                               "rotates the two halves of each head")
+        return {"rotary_percent": rotary_percent, **self.rope_fields(hf, where)}
 
     def rope_fields(self, hf: Mapping[str, Any], where: Path) -> dict[str, Any]:
         """The model's RoPE base and scaling fields for config.json's RoPE settings."""
+        if yarn.is_yarn(hf):
+            return yarn.model_fields(hf, where, default_theta=10_000.0)
         theta, scaling = hf_config.rope(hf, where, self.rope_hint)
         return {"rotary_base": theta, "rope_scaling": scaling is not None,
                 "rope_scaling_factor": scaling if scaling is not None else 8.0}
@@ -146,9 +157,10 @@ class LlamaLike:
 
     def differences(self, model: Mapping[str, Any]) -> list[str]:
         """``model.KEY=VALUE`` for each fixed field that the model (YAML values) sets otherwise."""
-        # a field this megatron-core lacks cannot hold another value
-        return [f"model.{key}={model[key]}" for key, value in self.fixed.items()
-                if key in model and model[key] != value]
+        # a field this megatron-core lacks cannot hold another value; RoPE may be YaRN's (config.json says so)
+        out = [f"model.{key}={model[key]}" for key, value in self.fixed.items()
+               if key in model and model[key] != value and (key, value, model[key]) != _YARN_FOR_ROPE]
+        return out + (yarn.differences(model) if model.get("position_embedding_type") == "yarn" else [])
 
     def hf_config(self, model: Mapping[str, Any]) -> dict[str, Any]:
         """The config.json of the model given by its ``model:`` YAML values."""
@@ -166,14 +178,21 @@ class LlamaLike:
             "rms_norm_eps": model["layernorm_epsilon"],
             "hidden_act": "silu",
             "rope_theta": float(model["rotary_base"]),
-            "rope_scaling": ({"rope_type": "llama3", "factor": float(model["rope_scaling_factor"]),
-                              **LLAMA3_ROPE_FIXED} if model["rope_scaling"] else None),
+            "rope_scaling": self.hf_rope_scaling(model),
             "tie_word_embeddings": bool(model["share_embeddings_and_output_weights"]),
             "attention_dropout": model["attention_dropout"],
             "initializer_range": model["init_method_std"],
             "torch_dtype": model["params_dtype"],
             **self.hf_extras(model),
         }
+
+    def hf_rope_scaling(self, model: Mapping[str, Any]) -> Optional[dict[str, Any]]:
+        """config.json's ``rope_scaling``: YaRN's, Llama 3.1's or none."""
+        if model.get("position_embedding_type") == "yarn":
+            return yarn.hf_rope_scaling(model)
+        if model["rope_scaling"]:
+            return {"rope_type": "llama3", "factor": float(model["rope_scaling_factor"]), **LLAMA3_ROPE_FIXED}
+        return None
 
     def hf_extras(self, model: Mapping[str, Any]) -> dict[str, Any]:
         """config.json keys of this family alone."""

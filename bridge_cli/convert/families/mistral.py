@@ -17,7 +17,7 @@ class Mistral(LlamaLike):
     model_type = "mistral"
     architecture = "MistralForCausalLM"
     models = "Mistral 7B v0.1-v0.3"
-    limits = "model.seq_length is capped at sliding_window; refuses RoPE scalings other than llama3"
+    limits = "model.seq_length is capped at sliding_window; refuses RoPE scalings other than llama3 and yarn"
 
     def window(self, hf: Mapping[str, Any]) -> Optional[int]:
         return hf.get("sliding_window")

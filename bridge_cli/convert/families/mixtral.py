@@ -18,8 +18,8 @@ class Mixtral(MoELike, Mistral):
     model_type = "mixtral"
     architecture = "MixtralForCausalLM"
     models = "Mixtral 8x7B, 8x22B; every layer MoE, softmax routing renormalised over the top-k"
-    limits = ("refuses router_jitter_noise and RoPE scalings other than llama3; model.seq_length is capped at "
-              "sliding_window")
+    limits = ("refuses router_jitter_noise and RoPE scalings other than llama3 and yarn; model.seq_length is "
+              "capped at sliding_window")
     sparse_block = "block_sparse_moe."
     expert_projections = ("w1", "w3", "w2")
     experts_key = "num_local_experts"

@@ -18,8 +18,8 @@ class Olmo2(LlamaLike):
     model_type = "olmo2"
     architecture = "Olmo2ForCausalLM"
     models = "OLMo 2 1B, 7B, 13B, 32B; norms after each sublayer, q/k RMSNorm over the whole projection"
-    limits = ("refuses attention_bias and RoPE scalings other than llama3; needs the torch or local spec; tensor "
-              "parallelism needs num_key_value_heads to be a multiple of the TP size")
+    limits = ("refuses attention_bias and RoPE scalings other than llama3 and yarn; needs the torch or local spec; "
+              "tensor parallelism needs num_key_value_heads to be a multiple of the TP size")
     fixed = {**LlamaLike.fixed, "qk_layernorm": True, "qk_layernorm_across_heads": True, "post_sublayer_norm": True,
              "pre_sublayer_norm": False}
     pre_norms = None

@@ -22,8 +22,8 @@ class Olmoe(MoELike, LlamaLike):
     model_type = "olmoe"
     architecture = "OlmoeForCausalLM"
     models = "OLMoE-1B-7B (0924, 0125); q/k RMSNorm over the whole projection, every layer MoE"
-    limits = ("refuses clip_qkv, attention_bias, RoPE scalings other than llama3 and norm_topk_prob with top-1 "
-              "routing; tensor parallelism needs num_key_value_heads to be a multiple of the TP size")
+    limits = ("refuses clip_qkv, attention_bias, RoPE scalings other than llama3 and yarn, and norm_topk_prob with "
+              "top-1 routing; tensor parallelism needs num_key_value_heads to be a multiple of the TP size")
     fixed = moe_fixed(LlamaLike.fixed, qk_layernorm=True, qk_layernorm_across_heads=True)
 
     def check(self, hf: Mapping[str, Any], where: Path) -> None:

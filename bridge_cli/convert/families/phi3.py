@@ -21,7 +21,7 @@ class Phi3(LlamaLike):
     model_type = "phi3"
     architecture = "Phi3ForCausalLM"
     models = "Phi-3-mini/medium 4k; fused qkv and gate_up, partial RoPE"
-    limits = ("refuses LongRoPE (the 128k models) and other RoPE scalings but llama3; "
+    limits = ("refuses LongRoPE (the 128k models) and other RoPE scalings but llama3 and yarn (on whole heads); "
               "model.seq_length is capped at sliding_window")
     rope_hint = ("LongRoPE (Phi-3 128k: per-dimension short/long factors switched by length) has no "
                  "megatron-core counterpart. ")

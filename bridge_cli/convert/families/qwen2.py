@@ -13,7 +13,7 @@ class Qwen2(LlamaLike):
     model_type = "qwen2"
     architecture = "Qwen2ForCausalLM"
     models = "Qwen2, Qwen2.5 (dense); biases on q/k/v"
-    limits = "refuses sliding-window layers and RoPE scalings other than llama3"
+    limits = "refuses sliding-window layers and RoPE scalings other than llama3 and yarn"
     fixed = {**LlamaLike.fixed, "add_qkv_bias": True}
 
     def check(self, hf, where) -> None:

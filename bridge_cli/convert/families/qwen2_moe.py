@@ -22,8 +22,8 @@ class Qwen2Moe(MoELike, Qwen2):
     model_type = "qwen2_moe"
     architecture = "Qwen2MoeForCausalLM"
     models = "Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B; Qwen2 attention, a gated shared expert in every MoE layer"
-    limits = ("refuses sliding-window layers, RoPE scalings other than llama3 and norm_topk_prob with top-1 "
-              "routing")
+    limits = ("refuses sliding-window layers, RoPE scalings other than llama3 and yarn, and norm_topk_prob with "
+              "top-1 routing")
     all_layers_moe = False
     fixed = {key: value for key, value in moe_fixed(Qwen2.fixed, moe_shared_expert_gate=True).items()
              if key != "moe_shared_expert_intermediate_size"}  # config.json's shared_expert_intermediate_size

@@ -15,7 +15,7 @@ class Qwen3(LlamaLike):
     model_type = "qwen3"
     architecture = "Qwen3ForCausalLM"
     models = "Qwen3 (dense, 0.6B-32B); per-head q/k RMSNorm, explicit head_dim"
-    limits = "refuses attention_bias, sliding-window layers and RoPE scalings other than llama3 (e.g. yarn)"
+    limits = "refuses attention_bias, sliding-window layers and RoPE scalings other than llama3 and yarn"
     fixed = {**LlamaLike.fixed, "qk_layernorm": True}
 
     def check(self, hf, where) -> None:

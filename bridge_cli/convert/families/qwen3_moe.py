@@ -20,7 +20,7 @@ class Qwen3Moe(MoELike, Qwen3):
     model_type = "qwen3_moe"
     architecture = "Qwen3MoeForCausalLM"
     models = "Qwen3-MoE (30B-A3B, 235B-A22B); Qwen3 attention, dense layers where mlp_only_layers/decoder_sparse_step say"
-    limits = ("refuses attention_bias, sliding-window layers, RoPE scalings other than llama3 (e.g. yarn) and "
+    limits = ("refuses attention_bias, sliding-window layers, RoPE scalings other than llama3 and yarn, and "
               "norm_topk_prob with top-1 routing")
     all_layers_moe = False
     fixed = moe_fixed(Qwen3.fixed)

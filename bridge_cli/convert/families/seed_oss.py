@@ -18,7 +18,7 @@ class SeedOss(LlamaLike):
     model_type = "seed_oss"
     architecture = "SeedOssForCausalLM"
     models = "Seed-OSS-36B; biases on q/k/v, explicit head_dim"
-    limits = "refuses attention_bias=false, attention_out_bias, mlp_bias and RoPE scalings other than llama3"
+    limits = "refuses attention_bias=false, attention_out_bias, mlp_bias and RoPE scalings other than llama3 and yarn"
     fixed = {**LlamaLike.fixed, "add_qkv_bias": True}
 
     def check(self, hf: Mapping[str, Any], where: Path) -> None:

@@ -21,7 +21,7 @@ class StableLm(LlamaLike):
     architecture = "StableLmForCausalLM"
     models = "StableLM 2 1.6B/12B, StableLM-3B-4E1T; LayerNorm, partial RoPE, optional q/k/v biases"
     limits = ("refuses per-head q/k LayerNorms (qk_layernorm: one norm per head, megatron-core shares one), "
-              "use_parallel_residual and RoPE scalings other than llama3")
+              "use_parallel_residual and RoPE scalings other than llama3 and yarn (yarn on whole heads only)")
     fixed = {**{key: value for key, value in LlamaLike.fixed.items() if key not in ("rotary_percent", "add_qkv_bias")},
              "normalization": "LayerNorm"}
     norm_bias = True
