@@ -100,6 +100,10 @@ MODELS = {
     # biases on q/k/v, head_dim (32) other than hidden/heads (16), attention and residual dropout (off in eval)
     "seed_oss": ("SeedOssConfig", "SeedOssForCausalLM", dict(vocab_size=512, head_dim=32, rope_theta=1000000.0,
                                                              attention_dropout=0.1, residual_dropout=0.1), None),
+    # an ungated squared-ReLU MLP (up_proj, down_proj), YaRN RoPE as AFM-4.5B's config has it, untied
+    "arcee": ("ArceeConfig", "ArceeForCausalLM", dict(
+        vocab_size=512, bos_token_id=None, eos_token_id=None, tie_word_embeddings=False,
+        rope_scaling={"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64}), None),
 }
 MOE = ("mixtral", "qwen3_moe", "olmoe", "gpt_oss", "qwen2_moe")
 """The mixture-of-experts families, loaded at EP=2 too (and at TP=2 with their experts split, GPT-OSS's biased
@@ -272,6 +276,9 @@ def test_import_writes_a_checkpoint_and_recipe_in_the_project_layout(imported):
     seed_oss = yaml.safe_load((imported["seed_oss"] / "recipe.yaml").read_text())["model"]
     assert (seed_oss["kv_channels"], seed_oss["add_bias_linear"], seed_oss["attention_dropout"],
             seed_oss["hidden_dropout"]) == (32, False, 0.1, 0.0)
+    arcee = yaml.safe_load((imported["arcee"] / "recipe.yaml").read_text())["model"]
+    assert (arcee["activation_func"], arcee["gated_linear_unit"], arcee["position_embedding_type"],
+            arcee["bias_activation_fusion"]) == ("squared_relu", False, "yarn", False)
     stablelm = yaml.safe_load((imported["stablelm"] / "recipe.yaml").read_text())["model"]
     assert (stablelm["normalization"], stablelm["gated_linear_unit"], stablelm["add_bias_linear"]) == (
         "LayerNorm", True, False)

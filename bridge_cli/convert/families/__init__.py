@@ -13,6 +13,7 @@ from typing import Any, Mapping, Optional
 
 from bridge_cli.checkpoint.errors import CheckpointError
 from bridge_cli.config.errors import ConfigError
+from bridge_cli.convert.families.arcee import Arcee
 from bridge_cli.convert.families.gemma import Gemma
 from bridge_cli.convert.families.gemma2 import Gemma2
 from bridge_cli.convert.families.gemma3 import Gemma3
@@ -39,12 +40,12 @@ FAMILIES: dict[str, LlamaLike] = {family.model_type: family
                                   for family in (Llama(), Mistral(), Qwen2(), Qwen3(), Phi3(),
                                                  Mixtral(), Qwen3Moe(), Olmoe(), Gemma3(), Gemma2(), GptOss(), Gemma(),
                                                  Starcoder2(), Olmo2(), Qwen2Moe(), Glm4(), StableLm(), Gpt2(),
-                                                 SeedOss())}
+                                                 SeedOss(), Arcee())}
 """model_type -> its family, in the order export tries them."""
 
 INFERRED = ("llama", "qwen2", "qwen3", "phi3",
             "mixtral", "qwen3_moe", "olmoe", "gemma3_text", "gemma2", "gpt_oss", "gemma", "starcoder2", "olmo2",
-            "qwen2_moe", "glm4", "stablelm", "gpt2")
+            "qwen2_moe", "glm4", "stablelm", "gpt2", "arcee")
 """The families export picks without --model-type."""
 
 
@@ -96,7 +97,7 @@ def for_export(model: Mapping[str, Any], model_type: Optional[str], where: Path)
     raise CheckpointError(
         f"{where}: export-hf writes Llama-style models ({supported()}: RMSNorm, SwiGLU, RoPE, no linear biases "
         f"except Qwen2's on q/k/v, GPT-OSS's and StarCoder2's, whose LayerNorm GELU layers have them all; GPT-2 with "
-        f"learned positions), and this checkpoint's model has "
+        f"learned positions; Arcee's squared-ReLU MLP), and this checkpoint's model has "
         f"{', '.join(closest.differences(model))} (differences from the closest family, {closest.model_type}).")
 
 

@@ -23,7 +23,7 @@ class Starcoder2(LlamaLike):
     architecture = "Starcoder2ForCausalLM"
     models = "StarCoder2 3B, 7B, 15B; LayerNorm, tanh GELU, biases on every linear"
     limits = ("refuses use_bias=false, activations other than gelu_pytorch_tanh and RoPE scalings other than "
-              "llama3; model.seq_length is capped at sliding_window")
+              "llama3 and yarn; model.seq_length is capped at sliding_window")
     fixed = {**LLAMA_STYLE, "normalization": "LayerNorm", "activation_func": "fast_gelu", "gated_linear_unit": False,
              "add_bias_linear": True, "add_qkv_bias": True}
     norm_bias = True
