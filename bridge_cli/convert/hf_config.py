@@ -92,20 +92,24 @@ def partial_rotary_factor(hf: Mapping[str, Any], where: Path) -> float:
     return float(factor)
 
 
-def seq_length(hf: Mapping[str, Any], where: Path, wanted: Optional[int], window: Optional[int] = None) -> int:
+def seq_length(hf: Mapping[str, Any], where: Path, wanted: Optional[int], window: Optional[int] = None,
+               longest: Optional[int] = None) -> int:
     """model.seq_length: ``wanted``, or max_position_embeddings capped at DEFAULT_MAX_SEQ_LENGTH.
 
-    Both are capped at a sliding ``window``: up to that length, full causal attention is exactly
-    what the model computes.
+    ``wanted`` may go up to max_position_embeddings, or to ``longest`` where the RoPE scaling takes the
+    model further (YaRN's factor x original length). Both are capped at a sliding ``window``: up to that
+    length, full causal attention is exactly what the model computes.
     """
-    limit = hf.get("max_position_embeddings") or DEFAULT_MAX_SEQ_LENGTH
+    declared = hf.get("max_position_embeddings") or DEFAULT_MAX_SEQ_LENGTH
+    limit = max(declared, longest or 0)
+    source = "max_position_embeddings" if limit == declared else "YaRN's factor x original_max_position_embeddings"
     if window:
-        limit = min(limit, window)
+        declared, limit = min(declared, window), min(limit, window)
     if wanted is None:
-        return min(limit, DEFAULT_MAX_SEQ_LENGTH)
+        return min(declared, DEFAULT_MAX_SEQ_LENGTH)
     if wanted > limit:
         raise ConfigError("--seq-length", f"{wanted} is longer than the model supports ({limit}: "
-                          f"max_position_embeddings{' / sliding_window' if window else ''} in {where}).",
+                          f"{source}{' / sliding_window' if window else ''} in {where}).",
                           f"Use --seq-length {limit} or less.")
     return wanted
 

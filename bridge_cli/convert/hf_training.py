@@ -97,7 +97,7 @@ def check_model(model: Mapping[str, Any], hf_dir: str) -> None:
                               f"Drop model.{key} from the command line (the Hugging Face folder sets it).")
     hf = hf_config.read_config(Path(hf_dir))
     try:
-        hf_config.seq_length(hf, where, model["seq_length"], family.window(hf))
+        hf_config.seq_length(hf, where, model["seq_length"], family.window(hf), family.longest(hf, where))
     except ConfigError as err:
         raise ConfigError("model.seq_length", err.message, "Set model.seq_length to that length or less.") from None
 

@@ -34,16 +34,7 @@ def model_fields(hf: Mapping[str, Any], where: Path, default_theta: float) -> di
     partial = parameters.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     if partial != 1.0:
         unsupported(where, f"partial_rotary_factor {partial!r} with yarn: megatron-core's YaRN rotates whole heads")
-    # transformers' default: the context the model was trained at, config.json's own maximum
-    original = parameters.get("original_max_position_embeddings", hf.get("original_max_position_embeddings",
-                                                                         hf.get("max_position_embeddings")))
-    if not isinstance(original, int) or original < 1:
-        unsupported(where, f"yarn original_max_position_embeddings {original!r}: a positive integer is needed")
-    factor = parameters.get("factor")
-    if factor is None:  # transformers' default, the ratio of the context lengths
-        factor = hf_config.getter(hf, where)("max_position_embeddings") / original
-    if not isinstance(factor, (int, float)) or factor <= 0:
-        unsupported(where, f"yarn factor {factor!r}: a positive number is needed")
+    factor, original = _factor_and_original(hf, where)
     # transformers uses mscale and mscale_all_dim only when both are set and non-zero
     mscale, mscale_all_dim = parameters.get("mscale"), parameters.get("mscale_all_dim")
     if not (mscale and mscale_all_dim):
@@ -62,6 +53,29 @@ def model_fields(hf: Mapping[str, Any], where: Path, default_theta: float) -> di
             "yarn_beta_slow": float(parameters.get("beta_slow") or 1.0),
             "yarn_mscale": float(mscale), "yarn_mscale_all_dim": float(mscale_all_dim),
             "yarn_correction_range_round_to_int": bool(parameters.get("truncate", True))}
+
+
+def context_length(hf: Mapping[str, Any], where: Path) -> int:
+    """The longest sequence a YaRN model takes: ``factor`` times the length it was trained at (Qwen3's 4 x 32,768),
+    which config.json's ``max_position_embeddings`` often leaves at the original."""
+    factor, original = _factor_and_original(hf, where)
+    return int(factor * original)
+
+
+def _factor_and_original(hf: Mapping[str, Any], where: Path) -> tuple[float, int]:
+    """YaRN's scaling factor and original context length, with transformers' defaults."""
+    parameters = rope_parameters(hf)
+    # transformers' default: the context the model was trained at, config.json's own maximum
+    original = parameters.get("original_max_position_embeddings", hf.get("original_max_position_embeddings",
+                                                                         hf.get("max_position_embeddings")))
+    if not isinstance(original, int) or original < 1:
+        unsupported(where, f"yarn original_max_position_embeddings {original!r}: a positive integer is needed")
+    factor = parameters.get("factor")
+    if factor is None:  # transformers' default, the ratio of the context lengths
+        factor = hf_config.getter(hf, where)("max_position_embeddings") / original
+    if not isinstance(factor, (int, float)) or factor <= 0:
+        unsupported(where, f"yarn factor {factor!r}: a positive number is needed")
+    return factor, original
 
 
 def hf_rope_scaling(model: Mapping[str, Any]) -> dict[str, Any]:

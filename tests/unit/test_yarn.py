@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from bridge_cli.checkpoint.errors import CheckpointError
+from bridge_cli.config.errors import ConfigError
 from bridge_cli.convert.families import FAMILIES
 from bridge_cli.convert.yarn import attention_factor
 
@@ -37,6 +38,19 @@ def test_a_qwen3_with_yarn_converts_to_megatron_cores_yarn_and_back():
     assert written["rope_scaling"] == {**QWEN3_YARN["rope_scaling"], "beta_fast": 32.0, "beta_slow": 1.0,
                                        "truncate": True}
     assert family.model_fields({**QWEN3_YARN, **written}, WHERE) == model  # read back, the same model
+
+
+def test_a_yarn_model_takes_sequences_up_to_factor_times_its_original_length():
+    """Qwen3's config keeps max_position_embeddings at 40,960 when YaRN takes it to 4 x 32,768."""
+    family = FAMILIES["qwen3"]
+    assert family.model_fields(QWEN3_YARN, WHERE)["seq_length"] == 4096  # the default cap
+    assert family.model_fields(QWEN3_YARN, WHERE, seq_length=131072)["seq_length"] == 131072
+    with pytest.raises(ConfigError, match="131073 is longer than the model supports \\(131072: YaRN's factor x "
+                                          "original_max_position_embeddings"):
+        family.model_fields(QWEN3_YARN, WHERE, seq_length=131073)
+    plain = {key: value for key, value in QWEN3_YARN.items() if key != "rope_scaling"}
+    with pytest.raises(ConfigError, match="40960: max_position_embeddings"):
+        family.model_fields(plain, WHERE, seq_length=131072)
 
 
 def test_yarn_reads_transformers_5_keys_and_its_defaults():

@@ -78,7 +78,7 @@ class LlamaLike:
             # Megatron pads the embedding to a multiple of this (times TP); a power of two that divides
             # the vocabulary keeps it unpadded at TP=1, so the checkpoint holds exactly HF's rows.
             "make_vocab_size_divisible_by": min(128, vocab & -vocab),
-            "seq_length": hf_config.seq_length(hf, where, seq_length, self.window(hf)),
+            "seq_length": hf_config.seq_length(hf, where, seq_length, self.window(hf), self.longest(hf, where)),
             "share_embeddings_and_output_weights": bool(hf.get("tie_word_embeddings", False)),
             "normalization": "RMSNorm",
             "layernorm_epsilon": float(hf.get("rms_norm_eps", 1e-6)),
@@ -148,6 +148,10 @@ class LlamaLike:
     def window(self, hf: Mapping[str, Any]) -> Optional[int]:
         """A sliding window that caps model.seq_length (None: full attention at every length)."""
         return None
+
+    def longest(self, hf: Mapping[str, Any], where: Path) -> Optional[int]:
+        """The longest sequence the model takes where max_position_embeddings understates it (YaRN's); None: that."""
+        return yarn.context_length(hf, where) if yarn.is_yarn(hf) else None
 
     def rotary_percent(self, hf: Mapping[str, Any], where: Path) -> float:
         """The fraction of each head that RoPE rotates."""
