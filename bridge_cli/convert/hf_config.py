@@ -59,10 +59,9 @@ def rope(hf: Mapping[str, Any], where: Path, hint: str = "") -> tuple[int, Optio
 
     ``hint`` adds to the refusal of other scalings (why this family's one cannot be expressed).
     """
-    parameters = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or parameters
-    theta = integer_theta(hf.get("rope_theta", parameters.get("rope_theta", 10000.0)), "rope_theta", where)
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    scaling = rope_settings(hf)
+    theta = rope_theta(hf, where, 10000.0)
+    kind = rope_kind(scaling)
     if kind == "default":
         return theta, None
     if kind != "llama3":
@@ -74,6 +73,23 @@ def rope(hf: Mapping[str, Any], where: Path, hint: str = "") -> tuple[int, Optio
         unsupported(where, f"llama3 RoPE scaling with factor {scaling.get('factor')!r} and {fixed}",
                     f"megatron-core implements a numeric factor with {LLAMA3_ROPE_FIXED} only.")
     return theta, float(scaling["factor"])
+
+
+def rope_settings(hf: Mapping[str, Any]) -> dict[str, Any]:
+    """config.json's RoPE scaling settings: transformers 4.x's ``rope_scaling``, else 5.x's ``rope_parameters``
+    (``rope_scaling`` where a 5.x folder was edited as a 4.x model card says)."""
+    return dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
+
+
+def rope_kind(settings: Mapping[str, Any]) -> str:
+    """The RoPE scaling that ``settings`` name, in 4.x's key or 5.x's ("default": none)."""
+    return settings.get("rope_type", settings.get("type", "default"))
+
+
+def rope_theta(hf: Mapping[str, Any], where: Path, default: float) -> int:
+    """config.json's RoPE base: top-level ``rope_theta`` (4.x) or the one in ``rope_parameters`` (5.x)."""
+    return integer_theta(hf.get("rope_theta", (hf.get("rope_parameters") or {}).get("rope_theta", default)),
+                         "rope_theta", where)
 
 
 def integer_theta(theta: Any, key: str, where: Path) -> int:

@@ -16,21 +16,13 @@ from bridge_cli.convert import hf_config
 from bridge_cli.convert.hf_config import unsupported
 
 
-def rope_parameters(hf: Mapping[str, Any]) -> dict[str, Any]:
-    """config.json's RoPE scaling, from transformers 4.x (``rope_scaling``) or 5.x (``rope_parameters``) keys:
-    ``rope_scaling`` where both are there (a 5.x folder edited as a 4.x model card says), as hf_config.rope reads
-    it; the base stays ``rope_theta``'s, wherever it is."""
-    return dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
-
-
 def is_yarn(hf: Mapping[str, Any]) -> bool:
-    parameters = rope_parameters(hf)
-    return parameters.get("rope_type", parameters.get("type")) == "yarn"
+    return hf_config.rope_kind(hf_config.rope_settings(hf)) == "yarn"
 
 
 def model_fields(hf: Mapping[str, Any], where: Path, default_theta: float) -> dict[str, Any]:
     """The model's position fields for a config.json whose RoPE is YaRN; refuses what megatron-core's differs in."""
-    parameters = rope_parameters(hf)
+    parameters = hf_config.rope_settings(hf)
     partial = parameters.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     if partial != 1.0:
         unsupported(where, f"partial_rotary_factor {partial!r} with yarn: megatron-core's YaRN rotates whole heads")
@@ -44,9 +36,8 @@ def model_fields(hf: Mapping[str, Any], where: Path, default_theta: float) -> di
     if wanted is not None and wanted != derived:
         unsupported(where, f"yarn attention_factor {wanted!r}: megatron-core scales cos/sin by the factor "
                            f"that factor, mscale and mscale_all_dim give ({derived!r})")
-    theta = hf.get("rope_theta", (hf.get("rope_parameters") or {}).get("rope_theta", default_theta))
     return {"position_embedding_type": "yarn", "rotary_percent": 1.0,
-            "rotary_base": hf_config.integer_theta(theta, "rope_theta", where),
+            "rotary_base": hf_config.rope_theta(hf, where, default_theta),
             "rope_scaling": False, "rope_scaling_factor": 8.0,
             "yarn_rotary_scaling_factor": float(factor), "yarn_original_max_position_embeddings": original,
             "yarn_beta_fast": float(parameters.get("beta_fast") or 32.0),
@@ -64,7 +55,7 @@ def context_length(hf: Mapping[str, Any], where: Path) -> int:
 
 def _factor_and_original(hf: Mapping[str, Any], where: Path) -> tuple[float, int]:
     """YaRN's scaling factor and original context length, with transformers' defaults."""
-    parameters = rope_parameters(hf)
+    parameters = hf_config.rope_settings(hf)
     # transformers' default: the context the model was trained at, config.json's own maximum
     original = parameters.get("original_max_position_embeddings", hf.get("original_max_position_embeddings",
                                                                          hf.get("max_position_embeddings")))

@@ -34,7 +34,7 @@ class Gemma2(Gemma3):
 
     def rope_fields(self, hf: Mapping[str, Any], where: Path) -> dict[str, Any]:
         parameters = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-        kind = parameters.get("rope_type", parameters.get("type", "default"))
+        kind = hf_config.rope_kind(parameters)
         if kind != "default":
             unsupported(where, f"RoPE scaling {kind!r}: Gemma 2's RoPE is unscaled")
         theta = parameters.get("rope_theta", hf.get("rope_theta", 10_000.0))

@@ -78,15 +78,15 @@ class Gemma3(LlamaLike):
 
     def rope_fields(self, hf: Mapping[str, Any], where: Path) -> dict[str, Any]:
         full, sliding = _rope_parameters(hf)
-        kind = full.get("rope_type", full.get("type", "default"))
+        kind = hf_config.rope_kind(full)
         if kind not in ("default", "linear"):
             unsupported(where, f"RoPE scaling {kind!r} in the global layers",
                         "Supported: none (default) and linear, megatron-core's seq_len_interpolation_factor.")
         factor = full.get("factor") if kind == "linear" else None
         if kind == "linear" and (not isinstance(factor, (int, float)) or factor <= 0):
             unsupported(where, f"linear RoPE scaling with factor {factor!r}: a positive number is needed")
-        if sliding.get("rope_type", sliding.get("type", "default")) != "default":
-            unsupported(where, f"RoPE scaling {sliding.get('rope_type', sliding.get('type'))!r} in the sliding-window "
+        if hf_config.rope_kind(sliding) != "default":
+            unsupported(where, f"RoPE scaling {hf_config.rope_kind(sliding)!r} in the sliding-window "
                                "layers: megatron-core's rotary embedding of those layers is unscaled")
         return {"rotary_base": hf_config.integer_theta(full["rope_theta"], "rope_theta", where),
                 "local_rotary_base": hf_config.integer_theta(sliding["rope_theta"], "rope_local_base_freq", where),

@@ -105,8 +105,7 @@ class GptOss(MoELike, LlamaLike):
 
     def rope_fields(self, hf: Mapping[str, Any], where: Path) -> dict[str, Any]:
         if not yarn.is_yarn(hf):
-            parameters = yarn.rope_parameters(hf)
-            kind = parameters.get("rope_type", parameters.get("type", "default"))
+            kind = hf_config.rope_kind(hf_config.rope_settings(hf))
             unsupported(where, f"RoPE {kind!r}: the gpt_oss family converts GPT-OSS's yarn")
         return yarn.model_fields(hf, where, default_theta=150_000.0)
 

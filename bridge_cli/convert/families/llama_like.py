@@ -124,12 +124,13 @@ class LlamaLike:
     def position_fields(self, hf: Mapping[str, Any], where: Path) -> dict[str, Any]:
         """The model's fields of its position embedding (RoPE's, here; YaRN-scaled RoPE where config.json says so)."""
         rotary_percent = self.rotary_percent(hf, where)
-        if yarn.is_yarn(hf) and rotary_percent != 1.0:
-            unsupported(where, f"yarn with RoPE on {rotary_percent} of each head: megatron-core's YaRN rotates "
-                               "whole heads")
-        if yarn.is_yarn(hf) and self.fixed.get("rotary_interleaved"):
-            unsupported(where, f"yarn with the {self.model_type} family's interleaved RoPE: megatron-core's YaRN "
-                               "rotates the two halves of each head")
+        if yarn.is_yarn(hf):
+            if rotary_percent != 1.0:
+                unsupported(where, f"yarn with RoPE on {rotary_percent} of each head: megatron-core's YaRN rotates "
+                                   "whole heads")
+            if self.fixed.get("rotary_interleaved"):
+                unsupported(where, f"yarn with the {self.model_type} family's interleaved RoPE: megatron-core's YaRN "
+                                   "rotates the two halves of each head")
         return {"rotary_percent": rotary_percent, **self.rope_fields(hf, where)}
 
     def rope_fields(self, hf: Mapping[str, Any], where: Path) -> dict[str, Any]:
