@@ -20,8 +20,9 @@ def masked_next_token_loss(loss_mask: torch.Tensor, output_tensor: torch.Tensor,
     """Sum of per-token losses where ``loss_mask`` is 1, the number of such tokens, and the report.
 
     Stays on the device: no ``.item()`` and no tensor built from a Python number, so a
-    micro-batch never waits for the host (DESIGN.md: that cost 11% on an H100), unless the rerun
-    state machine is on: the checks are reported to it (:func:`validate_loss`).
+    micro-batch never waits for the host (such a wait cost 11% of a step on an H100:
+    docs/architecture.md), unless the rerun state machine is on: the checks are reported to it
+    (:func:`validate_loss`).
     """
     losses = output_tensor.float().view(-1)
     mask = loss_mask.view(-1).float()

@@ -1,4 +1,4 @@
-"""Imports only go down the layers (DESIGN.md): read statically from every module, function-level imports too."""
+"""Imports only go down the layers (docs/architecture.md): read statically from every module, function-level imports too."""
 
 from __future__ import annotations
 
