@@ -19,6 +19,7 @@ import pytest
 import yaml
 
 from tests.conftest import REPO, bridge, run, run_env, torchrun
+from tests.doc_text import commands as doc_commands, section
 
 ARGS = ["recipe=tiny", "train.train_iters=40", "logger.log_interval=1", "train.eval_iters=0"]
 LOSS = re.compile(r"^iteration\s+(\d+)/\d+ .*\| lm loss ([0-9.]+) ", re.M)
@@ -170,11 +171,9 @@ def test_keep_last_k_and_non_persistent_checkpoints(tmp_path):
     assert iterations(root / "non_persistent") == ["iter_0000014"]
 
 
-def test_readme_checkpoint_commands_run_as_written(tmp_path):
-    # the section's own text, before its subsections (the rerun state machine has a command of its own)
-    readme = (REPO / "README.md").read_text().split("## Checkpoints and resume\n", 1)[1].split("\n## ", 1)[0]
-    readme = readme.split("\n### ", 1)[0]
-    commands = [line.strip() for line in readme.splitlines() if line.startswith("    bridge pretrain")]
+def test_documented_checkpoint_commands_run_as_written(tmp_path):
+    text = section("docs/checkpoints.md", "Save and resume")
+    commands = [command for command in doc_commands(text) if command.startswith("bridge pretrain")]
     assert len(commands) == 2
     scripts_first = {"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     first = ok(run("bash", "-c", commands[0], env=scripts_first, cwd=tmp_path))
