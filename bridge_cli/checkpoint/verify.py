@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 from typing import Any, Optional
 
+from bridge_cli.checkpoint import safe_pickle
 from bridge_cli.checkpoint.errors import CheckpointError
 
 # Model fields that fix the shapes of the weights; named when a checkpoint's shapes differ.
@@ -20,9 +21,10 @@ ARCHITECTURE = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_h
 
 
 def check_files(path: Path) -> None:
-    """``path`` is a complete torch_dist checkpoint: its metadata parses and no shard is missing or short."""
-    from torch.distributed.checkpoint import FileSystemReader
+    """``path`` is a complete torch_dist checkpoint: its metadata parses, no shard is missing or short, and
+    none of its pickles names a class a checkpoint does not hold (see :mod:`~bridge_cli.checkpoint.safe_pickle`).
 
+    Every reader of a checkpoint folder calls this first."""
     missing = [name for name in ("metadata.json", ".metadata") if not (path / name).is_file()]
     if missing:
         hint = (" It looks like a Megatron-LM checkpoint in the legacy `torch` format; bridge reads torch_dist "
@@ -35,11 +37,7 @@ def check_files(path: Path) -> None:
         raise CheckpointError(f"{path / 'metadata.json'} is not valid checkpoint metadata ({err}).") from err
     if backend != "torch_dist":
         raise CheckpointError(f"{path} is a {backend!r} checkpoint; bridge reads torch_dist checkpoints.")
-    try:
-        metadata = FileSystemReader(str(path)).read_metadata()
-    except Exception as err:  # torch raises whatever unpickling a damaged file raises
-        raise CheckpointError(f"{path / '.metadata'} cannot be read ({type(err).__name__}: {err}); "
-                              "the checkpoint is damaged.") from err
+    metadata = safe_pickle.read_metadata(path)
     # megatron-core 0.16 writes the non-tensor state to common.pt; 0.19 stores it among the shards
     in_shards = any(key.startswith("common_state") for key in metadata.state_dict_metadata)
     if not (path / "common.pt").is_file() and not in_shards:
@@ -57,6 +55,7 @@ def check_files(path: Path) -> None:
             raise CheckpointError(f"{shard}: truncated shard ({shard.stat().st_size} bytes, the metadata "
                                   f"says {size}); the checkpoint is damaged. Load an earlier one with "
                                   "checkpoint.ckpt_step=N.")
+    safe_pickle.check_objects(path, metadata)
 
 
 def saved_config(path: Path) -> Optional[dict[str, Any]]:
