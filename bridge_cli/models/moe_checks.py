@@ -94,17 +94,18 @@ def _check_parallel_layout(m, world_size: int) -> None:
                           "layer refuses to train otherwise).", "Set model.sequence_parallel=true.")
 
 
-def local_dispatch_blocker(m) -> Optional[str]:
+def device_dispatch_blocker(m) -> Optional[str]:
     """Why the MoE layers of model config ``m`` keep megatron-core's token dispatcher instead of
-    :class:`~bridge_cli.models.moe_dispatch.LocalTokenDispatcher`, or None when they do not."""
-    etp = m.expert_tensor_parallel_size or m.tensor_model_parallel_size
+    :class:`~bridge_cli.models.moe_dispatch.DeviceTokenDispatcher`, or None when they do not."""
+    ep = m.expert_model_parallel_size
     reasons = [
         (_uses_transformer_engine(m), "model.spec=te (Transformer Engine's experts)"),
         (not m.moe_grouped_gemm, "model.moe_grouped_gemm=false (SequentialMLP experts)"),
         (m.moe_token_dispatcher_type not in ("alltoall", "allgather"),
          f"model.moe_token_dispatcher_type={m.moe_token_dispatcher_type}"),
-        (m.expert_model_parallel_size > 1, f"model.expert_model_parallel_size={m.expert_model_parallel_size}"),
-        (etp > 1, f"expert tensor parallelism of {etp}"),
+        (m.moe_token_dispatcher_type == "alltoall" and ep > m.moe_router_topk,
+         f"model.moe_token_dispatcher_type=alltoall with model.expert_model_parallel_size={ep} above "
+         f"model.moe_router_topk={m.moe_router_topk} (there the all-to-all moves less data than a gather)"),
         (m.moe_expert_capacity_factor is not None, f"model.moe_expert_capacity_factor={m.moe_expert_capacity_factor}"),
         (m.moe_shared_expert_overlap, "model.moe_shared_expert_overlap=true"),
     ]
@@ -112,12 +113,13 @@ def local_dispatch_blocker(m) -> Optional[str]:
 
 
 def _check_compile(m) -> None:
-    blocker = local_dispatch_blocker(m)
+    blocker = device_dispatch_blocker(m)
     if m.compile_layers and blocker:
-        raise ConfigError("model.compile_layers", f"compiles MoE layers whose tokens stay on this rank, and here "
-                          f"{blocker} sends them through megatron-core's dispatcher, which waits on the GPU and "
-                          "does not trace.", "Set model.compile_layers=false, or use grouped experts with "
-                          "expert parallel sizes 1, no capacity factor and no shared-expert overlap.")
+        raise ConfigError("model.compile_layers", f"compiles MoE layers whose counts stay on the GPU, and here "
+                          f"{blocker} sends the tokens through megatron-core's dispatcher, which waits on the GPU "
+                          "and does not trace.", "Set model.compile_layers=false, or use grouped experts with "
+                          "the allgather dispatcher (or alltoall with expert parallelism up to moe_router_topk), "
+                          "no capacity factor and no shared-expert overlap.")
 
 
 def _uses_transformer_engine(m) -> bool:

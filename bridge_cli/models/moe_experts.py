@@ -189,7 +189,8 @@ class GroupedGemmExperts(MegatronModule):
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch.Tensor,
                    into_main_grad: bool = False) -> torch.Tensor:
     """Rows of ``x`` grouped by expert (``tokens_per_expert[e]`` rows for expert e) times each
-    expert's ``weight[e].T``: one grouped GEMM where the device has it, else a loop of GEMMs.
+    expert's ``weight[e].T``: one grouped GEMM where the device has it, else a loop of GEMMs. Rows
+    past the last expert's are not computed (zero in the loop; unwritten by the grouped GEMM).
     ``into_main_grad``: the weight's gradient is added into its ``main_grad`` by the weight-gradient
     GEMM (``model.gradient_accumulation_fusion``), where the grouped GEMM runs and Triton imports."""
     if _grouped_mm_supported(x, weight):
@@ -198,8 +199,9 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: tor
             return _grouped_linear_into_main_grad(x, weight, offsets)
         return _grouped_mm(x, weight, offsets)
     counts = tokens_per_expert.tolist() if torch.is_tensor(tokens_per_expert) else list(tokens_per_expert)
-    pieces = torch.split(x, counts)
-    return torch.cat([piece @ weight[e].t() for e, piece in enumerate(pieces)], dim=0)
+    pieces = torch.split(x, [*counts, x.shape[0] - sum(counts)])  # rows past the counts: the dispatcher's unused tail
+    tail = pieces[-1].new_zeros(pieces[-1].shape[0], weight.shape[1])
+    return torch.cat([*(piece @ weight[e].t() for e, piece in enumerate(pieces[:-1])), tail], dim=0)
 
 
 @torch.compiler.disable

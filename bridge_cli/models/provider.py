@@ -245,9 +245,9 @@ class GPTModelProvider(MLATransformerConfig):
             if self.fp8_output_layer and post_process:
                 output_layer_in_fp8(model, self)
         if self.num_moe_experts:
-            from bridge_cli.models.moe_dispatch import use_local_token_dispatch
+            from bridge_cli.models.moe_dispatch import use_device_token_dispatch
 
-            use_local_token_dispatch(model)
+            use_device_token_dispatch(model)
         return model
 
 

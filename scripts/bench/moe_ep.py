@@ -8,8 +8,9 @@ Runs of `bridge pretrain` with the same global batch:
 2. ``--ep`` processes under torchrun with ``model.expert_model_parallel_size=EP`` (data-parallel EP
    for the rest of the model), megatron-core's timers at level 2 and the PyTorch profiler on rank 0
    over three late iterations: megatron-core has no timer around the token dispatcher, so the
-   all-to-all share is read from the trace (NCCL send/recv kernels, which is what
-   ``all_to_all_single`` launches, against the GPU time of the profiled steps);
+   communication share is read from the trace (NCCL kernels by kind: send/recv for megatron-core's
+   all-to-all, all-gather and reduce-scatter for bridge's token exchange and the distributed
+   optimizer, against the GPU time of the profiled steps);
 3. the same EP layout on a small shape (``--resume-overrides``, so the checkpoint stays a few GB)
    saving at iteration 4, then one process resuming it to iteration 8, and one process running the
    8 iterations straight through for comparison.
@@ -28,7 +29,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from compare_mcore import H100_BF16_PEAK_TFLOPS, ITER_LINE, PEAK, run
+from compare_mcore import H100_BF16_PEAK_TFLOPS, ITER_LINE, PEAK
+from compare_mcore import run as run_timed
 
 LOSS = re.compile(r"^iteration\s+(\d+)/\d+ .*\| lm loss ([0-9.]+) ", re.M)
 TOKENS = re.compile(r"^iteration\s+(\d+)/\d+ .*\| tokens/s/gpu ([0-9,]+) ", re.M)
@@ -36,12 +38,17 @@ TIMER = re.compile(r"^\s+(forward-backward|forward-compute|backward-compute|all-
                    r"optimizer)\s*\.*:\s*\(([0-9.]+), ([0-9.]+)\)", re.M)
 # CPU initialization draws every expert the same under any expert-parallel size (on the GPU each
 # EP rank draws its experts from its own seed), so the layouts start from the same model.
-# Eager micro-batches of 1: compiled layers need the one-GPU token dispatch, which EP > 1 replaces.
+# Micro-batches of 1 on every GPU, compiled layers (bridge's token dispatch compiles at any EP size).
 DEFAULT_OVERRIDES = ["model.num_layers=8", "optimizer.use_distributed_optimizer=true", "model.use_cpu_initialization=true",
-                     "model.compile_layers=false", "train.micro_batch_size=1"]
+                     "train.micro_batch_size=1"]
 RESUME_OVERRIDES = ["model.num_layers=2", "model.num_moe_experts=16", "model.vocab_size=32768",
                     "optimizer.use_distributed_optimizer=true", "model.use_cpu_initialization=true",
                     "model.compile_layers=false", "train.micro_batch_size=1"]
+
+
+def run(argv: list[str]) -> tuple[str, float, float]:
+    """``compare_mcore.run`` timing the launch to the first iteration's log line."""
+    return run_timed(argv, re.compile(r"^iteration\s+1/", re.M))
 
 
 def summary(out: str, warmup: int = 3) -> dict:
@@ -122,8 +129,10 @@ def main() -> None:
         print(f"EP={args.ep} megatron-core timers (max over ranks, ms per iteration): {timers}")
         share = collective_share(tmp / "tb", last - first + 1)
         if share:
+            collectives = sum(v for k, v in share.items() if k != "GPU time")
             print(f"EP={args.ep} rank 0 trace, ms per step: " + ", ".join(f"{k} {v:.1f}" for k, v in share.items())
-                  + f"; all-to-all share {share['all-to-all (SendRecv)'] / share['GPU time']:.1%}", flush=True)
+                  + f"; collectives {collectives / share['GPU time']:.1%} of the GPU time (the token exchange and the"
+                  " optimizer's gradient reduce-scatter and weight all-gather)", flush=True)
         if args.curves_only:
             return
         small = [f"recipe={args.recipe}", "train.eval_iters=0", "logger.log_interval=1", *args.resume_overrides]

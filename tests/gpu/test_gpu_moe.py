@@ -1,7 +1,8 @@
 """MoE on the GPU: torch._grouped_mm experts equal the per-expert GEMM loop in bf16, the grouped weight
 gradient added into main_grad by the Triton kernel equals the separate add, tiny_moe trains with
-grouped experts in bf16 (with and without that fusion), and (on two GPUs) expert parallelism over NCCL follows one GPU and
-resumes exactly with its distributed-optimizer state."""
+grouped experts in bf16 (with and without that fusion), the token dispatcher's row kernels skip the unused tail, and (on
+two GPUs) expert parallelism over NCCL, eager and compiled, follows one GPU and resumes exactly with its
+distributed-optimizer state."""
 
 from __future__ import annotations
 
@@ -30,6 +31,29 @@ def test_grouped_mm_equals_the_per_expert_loop_forward_and_backward():
     for ours, theirs in ((out, reference), (grads[0], x.grad), (grads[1], weight.grad)):
         # bf16 rounds each product once; the two kernels differ by that rounding, not by more
         assert (ours.float() - theirs.float()).norm() / theirs.float().norm() < 1e-2
+
+
+def test_row_kernels_and_grouped_gemm_stop_at_the_count_on_the_gpu():
+    """The dispatcher's buffers hold more rows than the count on the GPU: the Triton gather and per-token sum
+    and the grouped GEMM compute the rows below it as torch does, whatever the tail holds."""
+    from bridge_cli.models.moe_rows import gather_rows, sum_rows
+
+    src = torch.randn(300, 2048 + 64, device="cuda", dtype=torch.bfloat16)
+    index = torch.randint(0, 300, (1000,), device="cuda")
+    count = torch.tensor(613, device="cuda")
+    gathered = gather_rows(src, index, count)
+    assert torch.equal(gathered[:613], src[index[:613]])
+    rows = torch.randint(-1, 613, (300, 8), device="cuda")
+    summed = sum_rows(gathered, rows)
+    expected = torch.where((rows >= 0).unsqueeze(-1), gathered[rows.clamp_min(0)].float(), 0).sum(1)
+    torch.testing.assert_close(summed.float(), expected, rtol=1e-2, atol=1e-2)
+    weight = torch.randn(4, 256, 2048 + 64, device="cuda", dtype=torch.bfloat16)
+    counts = torch.tensor([100, 0, 313, 200], device="cuda")
+    padded = torch.cat([gathered[:613], torch.full_like(gathered[613:], float("nan"))])
+    out = grouped_linear(padded, weight, counts)
+    assert out.shape[0] == 1000 and _grouped_mm_supported(padded, weight)
+    loop = torch.cat([piece @ weight[e].t() for e, piece in enumerate(torch.split(gathered[:613], counts.tolist()))])
+    torch.testing.assert_close(out[:613].float(), loop.float(), rtol=2e-2, atol=2e-1)
 
 
 def test_tiny_moe_trains_with_grouped_experts_in_bf16():
@@ -124,6 +148,19 @@ def test_expert_parallel_two_over_nccl_follows_one_gpu():
     one = bridge("pretrain", *TWO_GPU_RUN)
     ep = torchrun(2, "pretrain", *TWO_GPU_RUN, EP2)
     assert one.returncode == 0 and ep.returncode == 0, (one.stderr[-2000:], ep.stderr[-2000:])
+    assert losses(ep.stdout) == pytest.approx(losses(one.stdout), rel=2e-2)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _two_gpus(), reason="needs 2 GPUs")
+def test_expert_parallel_two_with_compiled_layers_follows_one_gpu():
+    """bridge's dispatcher keeps every count on the GPU, so the MoE layers compile under EP (no graph break
+    allowed in them)."""
+    compiled = ["model.compile_layers=true", "model.gradient_accumulation_fusion=false"]
+    one = bridge("pretrain", *TWO_GPU_RUN)
+    ep = torchrun(2, "pretrain", *TWO_GPU_RUN, EP2, *compiled, env={"TORCH_LOGS": "graph_breaks"})
+    assert one.returncode == 0 and ep.returncode == 0, (one.stderr[-2000:], ep.stderr[-2000:])
+    assert "Graph break" not in ep.stderr, ep.stderr[-3000:]
     assert losses(ep.stdout) == pytest.approx(losses(one.stdout), rel=2e-2)
 
 

@@ -44,15 +44,19 @@ def test_list_valued_moe_fields_reach_megatron_core(cli):
     (["model.tensor_model_parallel_size=2", "model.sequence_parallel=true", "model.expert_tensor_parallel_size=1",
       "--world-size", "2"], ["model.expert_tensor_parallel_size: 1 is below model.tensor_model_parallel_size (2) "
                              "with model.expert_model_parallel_size=1", "model.expert_model_parallel_size to 2"]),
-    # compiled MoE layers need the local token dispatch (megatron-core's dispatchers wait on the GPU)
+    # compiled MoE layers need bridge's token dispatch (megatron-core's dispatchers wait on the GPU)
     (["model.compile_layers=true"], ["model.compile_layers", "model.moe_grouped_gemm=false (SequentialMLP experts)"]),
-    (["model.compile_layers=true", "model.moe_grouped_gemm=true", "model.expert_model_parallel_size=2",
-      "--world-size", "2"], ["model.compile_layers", "model.expert_model_parallel_size=2"]),
+    (["model.compile_layers=true", "model.moe_grouped_gemm=true", "model.expert_model_parallel_size=4",
+      "--world-size", "4"], ["model.compile_layers", "model.expert_model_parallel_size=4 above model.moe_router_topk=2",
+                             "allgather dispatcher"]),
 ])
 def test_moe_config_errors(cli, args, fragments):
     assert_user_error(cli("pretrain", *MOE, *args, "--dry-run"), *fragments)
 
 
-def test_compiled_moe_layers_with_local_experts_pass_the_dry_run(cli):
-    result = cli("pretrain", *MOE, "model.compile_layers=true", "model.moe_grouped_gemm=true", "--dry-run")
+@pytest.mark.parametrize("layout", [[], ["model.expert_model_parallel_size=2", "--world-size", "2"],
+                                    ["model.expert_model_parallel_size=4", "model.moe_token_dispatcher_type=allgather", "train.global_batch_size=16",
+                                     "--world-size", "4"]], ids=["local", "ep2", "ep4_allgather"])
+def test_compiled_moe_layers_pass_the_dry_run(cli, layout):
+    result = cli("pretrain", *MOE, "model.compile_layers=true", "model.moe_grouped_gemm=true", *layout, "--dry-run")
     assert result.exit_code == 0, result.output

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bridge_cli.models.moe_dispatch import LocalTokenDispatcher
+from bridge_cli.models.moe_dispatch import DeviceTokenDispatcher
 from bridge_cli.models.provider import GPTModelProvider
 from tests.unit.test_moe_grouped_experts import SEQ, VOCAB
 from tests.unit.test_moe_grouped_experts import forward_backward as logits_after_backward
@@ -54,7 +54,7 @@ def forward_backward(model):
 @pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
 def test_local_dispatch_equals_megatron_cores_dispatcher(one_process, dispatcher):
     ours = build(dispatcher)
-    assert all(isinstance(mlp.token_dispatcher, LocalTokenDispatcher) for mlp in moe_layers(ours))
+    assert all(isinstance(mlp.token_dispatcher, DeviceTokenDispatcher) for mlp in moe_layers(ours))
     theirs = with_megatron_dispatchers(build(dispatcher), dispatcher)
     logits, grads = forward_backward(ours)
     their_logits, their_grads = forward_backward(theirs)
@@ -89,4 +89,4 @@ def test_a_token_gets_each_of_its_experts_output_once(one_process):
 @pytest.mark.parametrize("overrides", [dict(moe_expert_capacity_factor=1.0), dict(moe_grouped_gemm=False)],
                          ids=["capacity_factor", "sequential_mlp"])
 def test_megatron_cores_dispatcher_stays_where_the_permutation_is_not_fixed(one_process, overrides):
-    assert not any(isinstance(mlp.token_dispatcher, LocalTokenDispatcher) for mlp in moe_layers(build(**overrides)))
+    assert not any(isinstance(mlp.token_dispatcher, DeviceTokenDispatcher) for mlp in moe_layers(build(**overrides)))
