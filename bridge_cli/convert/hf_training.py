@@ -95,7 +95,7 @@ def check_model(model: Mapping[str, Any], hf_dir: str) -> None:
             raise ConfigError(f"model.{key}", f"the command line sets {model.get(key)!r}; {where} says {fields[key]!r}, "
                               "and the pretrained weights have that shape.",
                               f"Drop model.{key} from the command line (the Hugging Face folder sets it).")
-    hf = hf_config.read_config(Path(hf_dir))
+    hf = family.completed(hf_config.read_config(Path(hf_dir)))
     try:
         hf_config.seq_length(hf, where, model["seq_length"], family.window(hf), family.longest(hf, where))
     except ConfigError as err:

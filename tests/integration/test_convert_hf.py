@@ -236,6 +236,40 @@ def test_imported_model_reproduces_transformers_logits(name, layout, hf_dirs, mc
     assert (got - expected).abs().max().item() < ATOL
 
 
+def logits_at_tp1(checkpoints: dict[str, Path], tokens_file: Path, out: Path) -> dict[str, torch.Tensor]:
+    """megatron-core's logits of each checkpoint (name -> folder) in one process, as the TP=1 case of mcore_logits."""
+    out.mkdir()
+    env = {"CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    ok(python(str(WORKER), "--ckpt", *(f"{name}={folder}" for name, folder in checkpoints.items()), "--tokens",
+              str(tokens_file), "--out", str(out), env=env, timeout=900))
+    return {name: torch.load(out / f"{name}_tp1.pt") for name in checkpoints}
+
+
+@pytest.mark.slow
+def test_a_key_config_json_leaves_out_means_transformers_default(work, hf_dirs, tokens):
+    """StarCoder2 ties its embeddings and Mixtral's RoPE base is 1e6 when config.json does not say, GLM-4 and StableLM
+    rotate half and a quarter of each head: transformers' config classes' defaults, which the import must take."""
+    drops = {"starcoder2": {"tie_word_embeddings": None}, "mixtral": {"rope_parameters": {"rope_type": "default"}},
+             "glm4": {"rope_parameters": {"rope_type": "default"}, "partial_rotary_factor": None},
+             "stablelm": {"rope_parameters": {"rope_type": "default"}, "partial_rotary_factor": None}}
+    checkpoints = {}
+    for name, changes in drops.items():
+        folder = work / f"defaults_{name}"
+        shutil.copytree(hf_dirs[name], folder)
+        config = json.loads((folder / "config.json").read_text())
+        config.update({key: value for key, value in changes.items() if value is not None})
+        for key in (key for key, value in changes.items() if value is None):
+            config.pop(key, None)
+        (folder / "config.json").write_text(json.dumps(config))
+        # transformers reads the folder as the one it saved
+        assert torch.equal(hf_logits(folder, tokens), torch.load(reference(hf_dirs[name])))
+        checkpoints[name] = work / f"mcore_defaults_{name}"
+        ok(bridge("convert-ckpt", "import-hf", str(folder), str(checkpoints[name])))
+    logits = logits_at_tp1(checkpoints, work / "tokens.pt", work / "defaults_logits")
+    for name in drops:
+        assert (logits[name] - torch.load(reference(hf_dirs[name]))).abs().max().item() < ATOL, name
+
+
 @pytest.mark.slow
 def test_import_writes_a_checkpoint_and_recipe_in_the_project_layout(imported):
     for name, folder in imported.items():

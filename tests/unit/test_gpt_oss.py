@@ -124,7 +124,7 @@ def test_export_writes_back_what_import_read():
     ({"swiglu_alpha": 1.5}, "swiglu_alpha 1.5: megatron-core's quick_gelu"),
     ({"swiglu_limit": None}, "swiglu_limit None"),
     ({"num_experts_per_tok": 1}, "num_experts_per_tok 1"),
-    ({"rope_scaling": None}, "RoPE 'default'"),
+    ({"rope_scaling": {"rope_type": "default"}}, "RoPE 'default'"),
     ({"rope_scaling": {**YARN, "attention_factor": 1.0}}, "yarn attention_factor 1.0"),
     ({"rope_scaling": {**YARN, "partial_rotary_factor": 0.5}}, "partial_rotary_factor 0.5"),
     ({"layer_types": ["sliding_attention", "chunked_attention"] * 12}, "layer_types"),

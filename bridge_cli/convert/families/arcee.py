@@ -22,9 +22,9 @@ class Arcee(LlamaLike):
               "and yarn")
     fixed = {**LlamaLike.fixed, "activation_func": "squared_relu", "gated_linear_unit": False}
 
-    def model_fields(self, hf: Mapping[str, Any], where: Path, seq_length: Optional[int] = None) -> dict[str, Any]:
+    def fields(self, hf: Mapping[str, Any], where: Path, seq_length: Optional[int] = None) -> dict[str, Any]:
         # megatron-core fuses a bias-activation for gelu and swiglu only
-        return {**super().model_fields(hf, where, seq_length), "bias_activation_fusion": False}
+        return {**super().fields(hf, where, seq_length), "bias_activation_fusion": False}
 
     def activation(self, hf: Mapping[str, Any], where: Path) -> str:
         if hf.get("hidden_act", "relu2") != "relu2":

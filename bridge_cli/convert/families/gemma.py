@@ -5,7 +5,7 @@ sliding windows, soft caps or q/k norms)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping
 
 from bridge_cli.convert.families.llama_like import LlamaLike
 from bridge_cli.convert.hf_config import unsupported
@@ -24,10 +24,6 @@ class Gemma(LlamaLike):
     limits = "refuses attention_bias, bidirectional attention and RoPE scalings other than llama3 and yarn"
     fixed = {**LlamaLike.fixed, "activation_func": "fast_gelu", "layernorm_zero_centered_gamma": True,
              "scale_embeddings": True}
-
-    def model_fields(self, hf: Mapping[str, Any], where: Path, seq_length: Optional[int] = None) -> dict[str, Any]:
-        return {**super().model_fields(hf, where, seq_length),
-                "share_embeddings_and_output_weights": bool(hf.get("tie_word_embeddings", True))}
 
     def activation(self, hf: Mapping[str, Any], where: Path) -> str:
         act = hf.get("hidden_act") or ACTIVATIONS[0]

@@ -26,11 +26,10 @@ class Gemma2(Gemma3):
               "scores and logits, 1 + w RMSNorms, post-attention/feedforward norms, scaled embeddings")
     limits = "refuses attention_bias and RoPE scalings; needs model.spec=torch (the soft-capped attention)"
     fixed = {**Gemma3.fixed, "qk_layernorm": False, "local_rotary_base": None}
-    softcap_defaults = {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}
     window_pattern = 2
 
-    def model_fields(self, hf: Mapping[str, Any], where: Path, seq_length=None) -> dict[str, Any]:
-        return {**super().model_fields(hf, where, seq_length), "qk_layernorm": False}
+    def fields(self, hf: Mapping[str, Any], where: Path, seq_length=None) -> dict[str, Any]:
+        return {**super().fields(hf, where, seq_length), "qk_layernorm": False}
 
     def rope_fields(self, hf: Mapping[str, Any], where: Path) -> dict[str, Any]:
         parameters = hf.get("rope_parameters") or hf.get("rope_scaling") or {}

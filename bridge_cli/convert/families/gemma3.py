@@ -37,6 +37,9 @@ from bridge_cli.convert.hf_config import unsupported
 ACTIVATION = "gelu_pytorch_tanh"
 """The GELU Gemma 3 uses: its tanh approximation, which megatron-core's fast_gelu computes."""
 
+SOFT_CAPS = ("attn_logit_softcapping", "final_logit_softcapping")
+"""config.json's soft caps of the attention scores and of the output logits (null: none)."""
+
 
 class Gemma3(LlamaLike):
     """Gemma 3 text models (1B, and the language model of 4B-27B as Gemma3ForCausalLM saves it)."""
@@ -54,19 +57,15 @@ class Gemma3(LlamaLike):
     pre_norms = ("input_layernorm", "pre_feedforward_layernorm")
     post_norms = ("post_attention_layernorm", "post_feedforward_layernorm")
 
-    softcap_defaults = {"attn_logit_softcapping": None, "final_logit_softcapping": None}
-    """Each soft cap where config.json leaves it out: transformers' default for the family."""
-
     window_pattern = 6
     """Without ``layer_types``, every ``sliding_window_pattern``-th layer is global (this default where unset)."""
 
     # config.json -> model fields
 
-    def model_fields(self, hf: Mapping[str, Any], where: Path, seq_length: Optional[int] = None) -> dict[str, Any]:
-        fields = {**super().model_fields(hf, where, seq_length),
-                  "softmax_scale": float(hf.get("query_pre_attn_scalar", 256)) ** -0.5,
-                  "share_embeddings_and_output_weights": bool(hf.get("tie_word_embeddings", True)),
-                  **{key: _soft_cap(hf.get(key, default), key, where) for key, default in self.softcap_defaults.items()}}
+    def fields(self, hf: Mapping[str, Any], where: Path, seq_length: Optional[int] = None) -> dict[str, Any]:
+        fields = {**super().fields(hf, where, seq_length),
+                  "softmax_scale": float(hf["query_pre_attn_scalar"]) ** -0.5,
+                  **{key: _soft_cap(hf[key], key, where) for key in SOFT_CAPS}}
         layers = layer_types(hf, fields["num_layers"], where, self.window_pattern)
         return {**fields, **window_fields(hf, layers, where)}
 

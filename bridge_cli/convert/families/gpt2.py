@@ -45,18 +45,18 @@ class Gpt2(LlamaLike):
     hf_layers = "transformer.h"
     hf_attention = "attn"
     hf_final_norm = "transformer.ln_f"
+    epsilon_key = "layer_norm_epsilon"
 
     # config.json -> model fields
 
-    def model_fields(self, hf: Mapping[str, Any], where: Path, seq_length: Optional[int] = None) -> dict[str, Any]:
+    def fields(self, hf: Mapping[str, Any], where: Path, seq_length: Optional[int] = None) -> dict[str, Any]:
         positions = hf_config.getter(hf, where)("n_positions")
         if seq_length not in (None, positions):
             raise ConfigError("--seq-length", f"{seq_length}: GPT-2's position embedding has n_positions "
                               f"({positions}, {where}) rows, and megatron-core's has model.seq_length.",
                               "Import without --seq-length.")
-        return {**super().model_fields(hf, where), "seq_length": positions,
-                "layernorm_epsilon": float(hf.get("layer_norm_epsilon", 1e-5)),
-                "attention_dropout": float(hf.get("attn_pdrop", 0.1)), "bias_activation_fusion": False}
+        return {**super().fields(hf, where), "seq_length": positions, "attention_dropout": float(hf["attn_pdrop"]),
+                "bias_activation_fusion": False}
 
     def shape(self, hf: Mapping[str, Any], where: Path) -> dict[str, Any]:
         get = hf_config.getter(hf, where)
@@ -68,7 +68,7 @@ class Gpt2(LlamaLike):
                 "vocab_size": get("vocab_size")}
 
     def activation(self, hf: Mapping[str, Any], where: Path) -> str:
-        if hf.get("activation_function", "gelu_new") not in ACTIVATIONS:
+        if hf["activation_function"] not in ACTIVATIONS:
             unsupported(where, f"activation_function {hf['activation_function']!r}: the gpt2 family uses the tanh "
                         f"GELU ({' or '.join(ACTIVATIONS)}), megatron-core's fast_gelu")
         return "fast_gelu"
@@ -80,10 +80,10 @@ class Gpt2(LlamaLike):
         if hf.get("reorder_and_upcast_attn"):
             unsupported(where, "reorder_and_upcast_attn: transformers' eager attention then computes the scores "
                         "in float32, megatron-core's in the model's dtype")
-        if not hf.get("scale_attn_weights", True):
+        if not hf["scale_attn_weights"]:
             unsupported(where, "scale_attn_weights false: this family keeps megatron-core's 1/sqrt(head size) "
                         "scale of the attention scores")
-        if not hf.get("tie_word_embeddings", True):
+        if not hf["tie_word_embeddings"]:
             unsupported(where, "tie_word_embeddings false: GPT2LMHeadModel's lm_head is its token embedding, "
                         "and this family fixes share_embeddings_and_output_weights on")
         if hf.get("add_cross_attention"):

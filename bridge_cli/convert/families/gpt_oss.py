@@ -60,8 +60,8 @@ class GptOss(MoELike, LlamaLike):
 
     # config.json -> model fields
 
-    def model_fields(self, hf: Mapping[str, Any], where: Path, seq_length: Optional[int] = None) -> dict[str, Any]:
-        fields = {**super().model_fields(hf, where, seq_length),
+    def fields(self, hf: Mapping[str, Any], where: Path, seq_length: Optional[int] = None) -> dict[str, Any]:
+        fields = {**super().fields(hf, where, seq_length),
                   "activation_func_clamp_value": float(hf.get("swiglu_limit", 7.0)),
                   # megatron-core computes biased experts at expert TP 1 only, and bridge's grouped-GEMM
                   # experts (without Transformer Engine) take no biases

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from bridge_cli.convert import hf_config, yarn
+from bridge_cli.convert.families import hf_defaults
 from bridge_cli.convert.hf_config import LLAMA3_ROPE_FIXED, unsupported
 from bridge_cli.convert.hf_weights import Architecture, Layout, Pair
 
@@ -59,16 +60,28 @@ class LlamaLike:
     """Its name of a layer's attention."""
     hf_final_norm = "model.norm"
     """Its name of the norm after the last layer."""
+    epsilon_key = "rms_norm_eps"
+    """config.json's key of the norms' epsilon."""
 
     # config.json -> model fields
 
     def model_fields(self, hf: Mapping[str, Any], where: Path, seq_length: Optional[int] = None) -> dict[str, Any]:
-        """The recipe's ``model:`` fields for config.json ``hf`` (read from ``where``).
+        """The recipe's ``model:`` fields for config.json ``hf`` (read from ``where``), a key it lacks meaning what
+        transformers' config class of the family makes of it.
 
         ``seq_length`` overrides the default (max_position_embeddings capped at
         DEFAULT_MAX_SEQ_LENGTH and at a sliding window). Raises CheckpointError for what
         megatron-core cannot build exactly.
         """
+        return self.fields(self.completed(hf), where, seq_length)
+
+    def completed(self, hf: Mapping[str, Any]) -> dict[str, Any]:
+        """config.json ``hf`` with transformers' default for each key it lacks, and its RoPE settings in
+        ``rope_parameters`` (:func:`~bridge_cli.convert.families.hf_defaults.complete`)."""
+        return hf_defaults.complete(self.model_type, hf)
+
+    def fields(self, hf: Mapping[str, Any], where: Path, seq_length: Optional[int] = None) -> dict[str, Any]:
+        """model_fields of the completed config.json ``hf``; the hook a family overrides."""
         shape = self.shape(hf, where)
         activation = self.activation(hf, where)
         self.check(hf, where)
@@ -79,9 +92,9 @@ class LlamaLike:
             # the vocabulary keeps it unpadded at TP=1, so the checkpoint holds exactly HF's rows.
             "make_vocab_size_divisible_by": min(128, vocab & -vocab),
             "seq_length": hf_config.seq_length(hf, where, seq_length, self.window(hf), self.longest(hf, where)),
-            "share_embeddings_and_output_weights": bool(hf.get("tie_word_embeddings", False)),
+            "share_embeddings_and_output_weights": bool(hf.get("tie_word_embeddings")),
             "normalization": "RMSNorm",
-            "layernorm_epsilon": float(hf.get("rms_norm_eps", 1e-6)),
+            "layernorm_epsilon": float(hf[self.epsilon_key]),
             "activation_func": activation,
             "gated_linear_unit": True,
             "add_bias_linear": False,
@@ -155,7 +168,11 @@ class LlamaLike:
         return yarn.context_length(hf, where) if yarn.is_yarn(hf) else None
 
     def rotary_percent(self, hf: Mapping[str, Any], where: Path) -> float:
-        """The fraction of each head that RoPE rotates."""
+        """The fraction of each head that RoPE rotates: all of it, here (families that rotate part override this)."""
+        factor = hf_config.partial_rotary_factor(hf, where)
+        if factor != 1.0:
+            unsupported(where, f"partial_rotary_factor {factor!r}: bridge converts a {self.model_type} model with RoPE "
+                               "on whole heads (phi3, glm4 and stablelm rotate part of each head)")
         return 1.0
 
     # model fields -> config.json

@@ -63,8 +63,8 @@ class MoELike(LlamaLike):
 
     # config.json -> model fields
 
-    def model_fields(self, hf: Mapping[str, Any], where: Path, seq_length=None) -> dict[str, Any]:
-        fields = super().model_fields(hf, where, seq_length)
+    def fields(self, hf: Mapping[str, Any], where: Path, seq_length=None) -> dict[str, Any]:
+        fields = super().fields(hf, where, seq_length)
         get = hf_config.getter(hf, where)
         # transformers 5 maps num_experts and num_local_experts onto each other and saves either
         key = next((key for key in (self.experts_key, *EXPERT_COUNT_KEYS) if key in hf), self.experts_key)

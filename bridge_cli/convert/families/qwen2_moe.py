@@ -28,9 +28,9 @@ class Qwen2Moe(MoELike, Qwen2):
     fixed = {key: value for key, value in moe_fixed(Qwen2.fixed, moe_shared_expert_gate=True).items()
              if key != "moe_shared_expert_intermediate_size"}  # config.json's shared_expert_intermediate_size
 
-    def model_fields(self, hf: Mapping[str, Any], where: Path, seq_length=None) -> dict[str, Any]:
+    def fields(self, hf: Mapping[str, Any], where: Path, seq_length=None) -> dict[str, Any]:
         size = hf_config.getter(hf, where)("shared_expert_intermediate_size")
-        return {**super().model_fields(hf, where, seq_length), "moe_shared_expert_intermediate_size": size}
+        return {**super().fields(hf, where, seq_length), "moe_shared_expert_intermediate_size": size}
 
     def moe_layers(self, hf: Mapping[str, Any], where: Path, num_layers: int) -> list[bool]:
         return qwen_moe_layers(hf, where, num_layers, "qwen2")

@@ -25,11 +25,10 @@ class StableLm(LlamaLike):
     fixed = {**{key: value for key, value in LlamaLike.fixed.items() if key not in ("rotary_percent", "add_qkv_bias")},
              "normalization": "LayerNorm"}
     norm_bias = True
+    epsilon_key = "layer_norm_eps"
 
-    def model_fields(self, hf: Mapping[str, Any], where: Path, seq_length: Optional[int] = None) -> dict[str, Any]:
-        return {**super().model_fields(hf, where, seq_length),
-                "layernorm_epsilon": float(hf.get("layer_norm_eps", 1e-5)),
-                "add_qkv_bias": bool(hf.get("use_qkv_bias", False))}
+    def fields(self, hf: Mapping[str, Any], where: Path, seq_length: Optional[int] = None) -> dict[str, Any]:
+        return {**super().fields(hf, where, seq_length), "add_qkv_bias": bool(hf["use_qkv_bias"])}
 
     def check(self, hf: Mapping[str, Any], where: Path) -> None:
         if hf.get("qk_layernorm"):

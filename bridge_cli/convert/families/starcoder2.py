@@ -27,18 +27,18 @@ class Starcoder2(LlamaLike):
     fixed = {**LLAMA_STYLE, "normalization": "LayerNorm", "activation_func": "fast_gelu", "gated_linear_unit": False,
              "add_bias_linear": True, "add_qkv_bias": True}
     norm_bias = True
+    epsilon_key = "norm_epsilon"
 
-    def model_fields(self, hf: Mapping[str, Any], where: Path, seq_length: Optional[int] = None) -> dict[str, Any]:
-        return {**super().model_fields(hf, where, seq_length), "layernorm_epsilon": float(hf.get("norm_epsilon", 1e-5)),
-                "bias_activation_fusion": False}
+    def fields(self, hf: Mapping[str, Any], where: Path, seq_length: Optional[int] = None) -> dict[str, Any]:
+        return {**super().fields(hf, where, seq_length), "bias_activation_fusion": False}
 
     def activation(self, hf: Mapping[str, Any], where: Path) -> str:
-        if hf.get("hidden_act", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+        if hf["hidden_act"] != "gelu_pytorch_tanh":
             unsupported(where, f"hidden_act {hf['hidden_act']!r}: the starcoder2 family uses gelu_pytorch_tanh")
         return "fast_gelu"
 
     def check(self, hf: Mapping[str, Any], where: Path) -> None:
-        if not hf.get("use_bias", True):
+        if not hf["use_bias"]:
             unsupported(where, "use_bias false: megatron-core puts the biases of q/k/v and of the other linears "
                         "under separate switches, and this family fixes both on")
 

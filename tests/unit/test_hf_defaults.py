@@ -1,0 +1,94 @@
+"""What config.json means by a key it lacks (bridge_cli/convert/families/hf_defaults.py): each family's table is its
+transformers config class's defaults, and a family reads an absent key as transformers does. Logits of folders
+whose config.json leaves keys out: test_convert_hf.py's test_a_key_config_json_leaves_out_means_transformers_default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from bridge_cli.checkpoint.errors import CheckpointError
+from bridge_cli.convert.families import FAMILIES
+from bridge_cli.convert.families.hf_defaults import ALIASES, DEFAULTS, PER_LAYER_ROPE, ROPE_DEFAULTS
+
+transformers = pytest.importorskip("transformers")
+
+WHERE = Path("hf/config.json")
+SHAPE = {"hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 128}
+
+
+def config_class(model_type: str):
+    return type(transformers.AutoConfig.for_model(model_type))
+
+
+def class_defaults(cls) -> dict:
+    base = {field.name for field in dataclasses.fields(transformers.PreTrainedConfig)}
+    return {field.name: field.default if field.default is not dataclasses.MISSING else field.default_factory()
+            for field in dataclasses.fields(cls) if field.name not in base}
+
+
+@pytest.mark.parametrize("model_type", list(FAMILIES))
+def test_each_family_reads_an_absent_key_at_its_transformers_default(model_type):
+    cls = config_class(model_type)
+    assert DEFAULTS[model_type] == class_defaults(cls)
+    assert ALIASES.get(model_type, {}) == cls.attribute_map
+    if model_type == "gpt2" or model_type in PER_LAYER_ROPE:
+        return
+    theta, partial, scaling = ROPE_DEFAULTS[model_type]
+    rope = cls().rope_parameters
+    assert (theta, partial) == (cls.default_theta, rope.get("partial_rotary_factor"))
+    assert {key: value for key, value in rope.items() if key not in ("rope_theta", "partial_rotary_factor")} == (
+        scaling or {"rope_type": "default"})
+
+
+@pytest.mark.parametrize("model_type, config, field, expected", [
+    ("starcoder2", {}, "share_embeddings_and_output_weights", True),  # tie_word_embeddings left out: tied
+    ("gemma", {}, "share_embeddings_and_output_weights", True),
+    ("llama", {}, "share_embeddings_and_output_weights", False),
+    ("glm4", {"head_dim": 16}, "rotary_percent", 0.5),  # partial_rotary_factor left out
+    ("stablelm", {}, "rotary_percent", 0.25),
+    ("phi3", {}, "rotary_percent", 1.0),
+    ("stablelm", {"partial_rotary_factor": 0.5}, "rotary_percent", 0.5),  # transformers 4.x's top-level key
+    ("glm4", {"head_dim": 16, "rope_parameters": {"rope_type": "default", "partial_rotary_factor": 1.0}},
+     "rotary_percent", 1.0),
+    ("mixtral", {"num_local_experts": 4}, "rotary_base", 1_000_000),  # rope_theta left out
+    ("mistral", {}, "rotary_base", 10_000),
+    ("llama", {"rope_theta": 500000.0}, "rotary_base", 500_000),  # 4.x's top-level key
+    ("llama", {"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}, "rope_theta": 10.0},
+     "rotary_base", 500_000),  # rope_parameters first, as transformers reads them
+    ("mixtral", {"num_local_experts": 4}, "layernorm_epsilon", 1e-5),  # rms_norm_eps left out
+    ("glm4", {"head_dim": 16}, "layernorm_epsilon", 1.5625e-07),
+    ("qwen3", {}, "kv_channels", 128),  # head_dim left out: Qwen3Config's 128, not hidden / heads
+    ("qwen2", {}, "kv_channels", 16),
+    ("starcoder2", {}, "layernorm_epsilon", 1e-5),
+])
+def test_a_key_config_json_leaves_out_means_what_transformers_makes_of_it(model_type, config, field, expected):
+    fields = FAMILIES[model_type].model_fields({"model_type": model_type, **SHAPE, **config}, WHERE)
+    assert fields[field] == expected
+
+
+@pytest.mark.parametrize("model_type, key", [("qwen3_moe", "num_local_experts"), ("qwen3_moe", "num_experts"),
+                                             ("olmoe", "num_local_experts"), ("mixtral", "num_experts")])
+def test_either_name_of_the_expert_count_sets_it(model_type, key):
+    config = {"model_type": model_type, **SHAPE, key: 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48}
+    assert FAMILIES[model_type].model_fields(config, WHERE)["num_moe_experts"] == 4
+
+
+def test_gpt_oss_without_rope_settings_has_its_class_default_yarn():
+    fields = FAMILIES["gpt_oss"].model_fields({"model_type": "gpt_oss", **SHAPE, "num_local_experts": 4}, WHERE)
+    assert (fields["position_embedding_type"], fields["rotary_base"], fields["yarn_rotary_scaling_factor"],
+            fields["yarn_original_max_position_embeddings"], fields["yarn_correction_range_round_to_int"]) == (
+        "yarn", 150_000, 32.0, 4096, False)
+
+
+@pytest.mark.parametrize("model_type", [name for name in FAMILIES if name not in ("phi3", "glm4", "stablelm", "gpt2")])
+def test_partial_rotary_factor_is_refused_where_the_family_rotates_whole_heads(model_type):
+    config = {"model_type": model_type, **SHAPE, "num_local_experts": 4, "num_experts": 4, "head_dim": 16,
+              "partial_rotary_factor": 0.5}
+    with pytest.raises(CheckpointError, match="partial_rotary_factor 0.5") as error:
+        FAMILIES[model_type].model_fields(config, WHERE)
+    assert "bridge cannot convert this model" in str(error.value)
