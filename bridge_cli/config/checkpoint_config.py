@@ -63,7 +63,7 @@ class CheckpointConfig:
     """Write the final checkpoint as a Hugging Face folder here (new or empty) at the end of training; needs save."""
 
     export_hf_model_type: Optional[str] = None
-    """Family export_hf_dir is written as (see `bridge convert-ckpt families`; None: the one the model fits)."""
+    """Family to export as, to export_hf_dir and by export-hf (import-hf records the source's; None: what fits)."""
 
     export_hf_each_save: bool = False
     """Export every persistent save instead, to export_hf_dir/iter_XXXXXXX (training waits for each export)."""
@@ -139,9 +139,8 @@ class CheckpointConfig:
                 not export.is_dir() or any(export.iterdir())):
             problems.append(("export_hf_dir", f"{self.export_hf_dir} already exists and is not an empty folder; "
                              "choose a new one (the export would refuse it after training)."))
-        for name in ("export_hf_model_type", "export_hf_each_save"):
-            if getattr(self, name) not in (None, False) and self.export_hf_dir is None:
-                problems.append((name, "needs export_hf_dir."))
+        if self.export_hf_each_save and self.export_hf_dir is None:
+            problems.append(("export_hf_each_save", "needs export_hf_dir."))
         if self.export_hf_each_save and self.async_save:
             problems.append(("export_hf_each_save", "needs async_save: false (an export reads a finished checkpoint)."))
         if self.most_recent_k == 0 or self.most_recent_k < -1:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from bridge_cli.checkpoint import layout
+from bridge_cli.checkpoint import layout, verify
 from bridge_cli.convert import families
 from bridge_cli.convert.hf_files import check_output_free, parse_size, staged, write_safetensors
 
@@ -33,7 +33,8 @@ class Exported:
 def export_hf(ckpt_dir: Path, out_dir: Path, step: Optional[int] = None, max_shard_size: str = "5GB",
               model_type: Optional[str] = None) -> Exported:
     """Convert the checkpoint under ``ckpt_dir`` (its latest, or iteration ``step``) into ``out_dir`` (new or
-    empty), as the family ``model_type`` (default: the one its model fits)."""
+    empty), as the family ``model_type``; by default the one its run_config.yaml records
+    (``checkpoint.export_hf_model_type``: import-hf records the source's), else the one its model fits."""
     from bridge_cli.config import mcore_schema
     from bridge_cli.convert import mcore_io
     from bridge_cli.convert.hf_weights import Architecture, to_hf
@@ -46,7 +47,8 @@ def export_hf(ckpt_dir: Path, out_dir: Path, step: Optional[int] = None, max_sha
     path = layout.require_checkpoint(Path(ckpt_dir), step).path
     model_cfg = mcore_io.model_config(mcore_io.saved_model_values(path))
     values = mcore_schema.to_yaml_values("model", GPTModelProvider, model_cfg)
-    family = families.for_export(values, model_type, path)
+    recorded = ((verify.saved_config(path) or {}).get("checkpoint") or {}).get("export_hf_model_type")
+    family = families.for_export(values, model_type, path, recorded)
     config = family.hf_config(values)
     arch = Architecture.of(model_cfg)
 

@@ -7,7 +7,8 @@ safetensors into a megatron-core GPTModel built without random initialisation, w
 with megatron-core's dist_checkpointing. The output folder is written as ``OUT_DIR.incomplete``
 and renamed at the end.
 
-    OUT_DIR/recipe.yaml                        the base recipe with the model section of config.json
+    OUT_DIR/recipe.yaml                        the base recipe with the model section of config.json and its
+                                               family (checkpoint.export_hf_model_type, export-hf's default)
     OUT_DIR/latest_checkpointed_iteration.txt  0
     OUT_DIR/iter_0000000/                      torch_dist shards + run_config.yaml
 """
@@ -112,7 +113,9 @@ def recipe_text(base, fields: dict, hf_dir: Path, out_dir: Path, model_type: str
         model["fused_single_qkv_rope"] = False
         header += f"# model.fused_single_qkv_rope of {base.name} is off here: {'; '.join(blockers)}.\n"
     recipe["model"] = model
-    recipe["checkpoint"] = {**(recipe.get("checkpoint") or {}), "pretrained_checkpoint": str(out_dir.resolve())}
+    # the family goes with the checkpoints trained from here, so that export-hf writes the one the user started from
+    recipe["checkpoint"] = {**(recipe.get("checkpoint") or {}), "pretrained_checkpoint": str(out_dir.resolve()),
+                            "export_hf_model_type": model_type}
     return header + yaml.safe_dump(recipe, sort_keys=False)
 
 

@@ -79,9 +79,11 @@ def model_fields(hf_dir: str) -> tuple[Any, dict[str, Any]]:
 
 
 def model_overrides(hf_dir: str) -> list[str]:
-    """Hydra overrides setting config.json's model fields (to go between the recipe and the command line)."""
-    _, fields = model_fields(hf_dir)
-    return [f"model.{key}={json.dumps(value)}" for key, value in fields.items()]
+    """Hydra overrides setting config.json's model fields and family (to go between the recipe and the command
+    line): the run's checkpoints export as the folder's family, as those of its import do."""
+    family, fields = model_fields(hf_dir)
+    return [*(f"model.{key}={json.dumps(value)}" for key, value in fields.items()),
+            f"checkpoint.export_hf_model_type={family.model_type}"]
 
 
 def check_model(model: Mapping[str, Any], hf_dir: str) -> None:

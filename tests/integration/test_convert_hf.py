@@ -108,9 +108,6 @@ MODELS = {
 MOE = ("mixtral", "qwen3_moe", "olmoe", "gpt_oss", "qwen2_moe")
 """The mixture-of-experts families, loaded at EP=2 too (and at TP=2 with their experts split, GPT-OSS's biased
 ones excepted: megatron-core computes those at expert TP 1)."""
-EXPORT_ARGS = {"mistral": ["--model-type", "mistral"], "seed_oss": ["--model-type", "seed_oss"]}
-"""export-hf picks the family from the model; a Mistral (without its window, a Llama) and a Seed-OSS (a Qwen2)
-must be named."""
 
 
 def hf_model(name: str):
@@ -281,6 +278,7 @@ def test_import_writes_a_checkpoint_and_recipe_in_the_project_layout(imported):
         model = recipe["model"]
         assert model["vocab_size"] % model["make_vocab_size_divisible_by"] == 0  # no padding rows at TP=1
         assert recipe["checkpoint"]["pretrained_checkpoint"] == str(folder.resolve())
+        assert recipe["checkpoint"]["export_hf_model_type"] == name  # the family export-hf writes back
         assert model["add_qkv_bias"] == (name in ("qwen2", "gpt_oss", "starcoder2", "qwen2_moe", "glm4", "stablelm",
                                                   "gpt2", "seed_oss"))
         assert model["share_embeddings_and_output_weights"] == (name in ("qwen2", "gemma3_text", "gemma2", "gemma",
@@ -338,12 +336,13 @@ def test_import_writes_a_checkpoint_and_recipe_in_the_project_layout(imported):
 @pytest.mark.parametrize("name", list(MODELS))
 def test_round_trip_gives_identical_tensors(name, work, hf_dirs, imported, tokens):
     out = work / f"roundtrip_{name}"
-    ok(bridge("convert-ckpt", "export-hf", str(imported[name]), str(out), *EXPORT_ARGS.get(name, [])))
+    ok(bridge("convert-ckpt", "export-hf", str(imported[name]), str(out)))  # the family the import recorded
     original, exported = safetensors_of(hf_dirs[name]), safetensors_of(out)
     assert sorted(exported) == sorted(original)
     for key, tensor in original.items():
         assert exported[key].dtype == tensor.dtype and torch.equal(exported[key], tensor), key
-    assert json.loads((out / "config.json").read_text())["model_type"] == name
+    source, written = (json.loads((folder / "config.json").read_text()) for folder in (hf_dirs[name], out))
+    assert (written["model_type"], written["architectures"]) == (name, source["architectures"])
     assert torch.equal(hf_logits(out, tokens), torch.load(reference(hf_dirs[name])))
 
 
@@ -557,11 +556,41 @@ def test_export_refuses_a_model_transformers_cannot_hold(cli, imported, tmp_path
     run_config = ckpt / "iter_0000000" / "run_config.yaml"
     # RMSNorm with an ungated MLP: no family has both
     run_config.write_text(run_config.read_text().replace("gated_linear_unit: true", "gated_linear_unit: false"))
+    recorded = cli("convert-ckpt", "export-hf", str(ckpt), str(tmp_path / "out"))
+    assert recorded.exit_code == 2 and "records the family mistral" in recorded.stderr, recorded.stderr
+    assert "model.gated_linear_unit=False" in recorded.stderr and "No family holds it" in recorded.stderr
+    run_config.write_text(run_config.read_text().replace("export_hf_model_type: mistral", "export_hf_model_type: null"))
     result = cli("convert-ckpt", "export-hf", str(ckpt), str(tmp_path / "out"))
     assert result.exit_code == 2 and "export-hf writes Llama-style models" in result.stderr
     assert "model.gated_linear_unit=False" in result.stderr and not (tmp_path / "out").exists()
     empty = cli("convert-ckpt", "export-hf", str(tmp_path / "nothing"), str(tmp_path / "out"))
     assert empty.exit_code == 2 and "no checkpoint there" in empty.stderr
+
+
+@pytest.mark.slow
+def test_a_trained_phi3_exports_as_phi3_with_its_fused_tensors(work, imported, tokens):
+    """The family travels from the import's recipe into the checkpoints trained from it: without --model-type,
+    export-hf (and checkpoint.export_hf_dir) write Phi-3 again, qkv_proj and gate_up_proj fused, not the Llama
+    with the same logits that the model alone would give."""
+    save, at_end, later = work / "trained_phi3", work / "trained_phi3_hf", work / "trained_phi3_export"
+    ok(bridge("pretrain", f"recipe={imported['phi3'] / 'recipe.yaml'}", "train.train_iters=2", "train.eval_iters=0",
+              "model.seq_length=64", f"checkpoint.save={save}", f"checkpoint.export_hf_dir={at_end}"))
+    ok(bridge("convert-ckpt", "export-hf", str(save), str(later)))
+    for out in (at_end, later):
+        config, tensors = json.loads((out / "config.json").read_text()), safetensors_of(out)
+        assert (config["model_type"], config["architectures"]) == ("phi3", ["Phi3ForCausalLM"])
+        assert {"model.layers.0.self_attn.qkv_proj.weight", "model.layers.0.mlp.gate_up_proj.weight"} <= set(tensors)
+    assert torch.equal(hf_logits(at_end, tokens), hf_logits(later, tokens))
+
+
+@pytest.mark.slow
+def test_model_type_overrides_the_recorded_family(work, hf_dirs, imported, tokens):
+    """A Seed-OSS is the identical Qwen2: --model-type qwen2 writes that instead of the seed_oss it records."""
+    out = work / "seed_oss_as_qwen2"
+    ok(bridge("convert-ckpt", "export-hf", str(imported["seed_oss"]), str(out), "--model-type", "qwen2"))
+    config = json.loads((out / "config.json").read_text())
+    assert (config["model_type"], config["architectures"]) == ("qwen2", ["Qwen2ForCausalLM"])
+    assert (hf_logits(out, tokens) - torch.load(reference(hf_dirs["seed_oss"]))).abs().max().item() < ATOL
 
 
 @pytest.mark.slow  # the imported fixture converts every family

@@ -151,6 +151,26 @@ def test_export_at_each_save_writes_one_folder_per_checkpoint(hf_dir, tmp_path):
 
 
 @pytest.mark.slow
+def test_a_run_from_a_folder_exports_as_the_folders_family(tmp_path):
+    """A Phi-3 folder (fused qkv_proj and gate_up_proj) trained with checkpoint.export_hf_dir comes back as a Phi-3,
+    not as the Llama with the same logits that the model alone would give; so does export-hf of its checkpoint."""
+    torch.manual_seed(0)
+    config = transformers.Phi3Config(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2, max_position_embeddings=64, vocab_size=512,
+                                     pad_token_id=None, eos_token_id=2)
+    folder, save, export, later = (tmp_path / name for name in ("phi3", "save", "exported", "export_hf"))
+    transformers.Phi3ForCausalLM(config).float().save_pretrained(folder)
+    ok(bridge("pretrain", "recipe=tiny", f"checkpoint.pretrained_checkpoint={folder}", *RUN, f"checkpoint.save={save}",
+              f"checkpoint.export_hf_dir={export}"))
+    ok(bridge("convert-ckpt", "export-hf", str(save), str(later)))
+    for out in (export, later):
+        written = json.loads((out / "config.json").read_text())
+        assert (written["model_type"], written["architectures"]) == ("phi3", ["Phi3ForCausalLM"])
+        model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+        assert "model.layers.0.self_attn.qkv_proj.weight" in model.state_dict()
+
+
+@pytest.mark.slow
 def test_lora_on_a_hugging_face_folder_resumes_and_merges(hf_dir, tmp_path):
     save, merged = tmp_path / "adapters", tmp_path / "merged"
     lora = ["recipe=tiny", "peft=lora", f"checkpoint.pretrained_checkpoint={hf_dir}", *RUN, f"checkpoint.save={save}"]

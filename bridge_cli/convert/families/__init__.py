@@ -1,9 +1,11 @@
 """The Hugging Face families bridge converts: one module each (config mapping + tensor map), and
 the registry that `import-hf`, `export-hf` and `families` use. No torch import.
 
-Import picks the family by config.json's ``model_type``. Export takes ``--model-type`` or picks
-the first family, in registry order, whose fixed fields the checkpoint's model has (Mistral
-never: a Mistral without its sliding window is the identical Llama; Seed-OSS never: it is the identical Qwen2).
+Import picks the family by config.json's ``model_type`` and records it in the recipe
+(``checkpoint.export_hf_model_type``), so that it travels with every checkpoint trained from there. Export takes
+``--model-type``, else the family the checkpoint records, else picks the first family, in registry order, whose
+fixed fields the checkpoint's model has (Mistral never: a Mistral without its sliding window is the identical
+Llama; Seed-OSS never: it is the identical Qwen2).
 """
 
 from __future__ import annotations
@@ -79,8 +81,23 @@ def for_import(hf: Mapping[str, Any], where: Path) -> LlamaLike:
     return FAMILIES[model_type]
 
 
-def for_export(model: Mapping[str, Any], model_type: Optional[str], where: Path) -> LlamaLike:
-    """The family to write the model (its ``model:`` YAML values, from checkpoint ``where``) as."""
+def for_export(model: Mapping[str, Any], model_type: Optional[str], where: Path,
+               recorded: Optional[str] = None) -> LlamaLike:
+    """The family to write the model (its ``model:`` YAML values, from checkpoint ``where``) as: ``model_type``
+    (--model-type), else ``recorded`` (the family the checkpoint's run_config.yaml names), else the first that fits."""
+    if model_type is None and recorded is not None:
+        fits = [name for name in INFERRED if not FAMILIES[name].differences(model)]
+        hint = (f"Export with --model-type {fits[0]} (the family it fits)." if fits else
+                "No family holds it (export without --model-type says why).")
+        if recorded not in FAMILIES:
+            raise CheckpointError(f"{where}: its run_config.yaml records the family {recorded!r} "
+                                  f"(checkpoint.export_hf_model_type), which bridge does not convert. {hint}")
+        different = FAMILIES[recorded].differences(model)
+        if different:
+            raise CheckpointError(f"{where}: its run_config.yaml records the family {recorded} "
+                                  "(checkpoint.export_hf_model_type: the one it was imported from), and a "
+                                  f"{recorded} model cannot hold its model, which has {', '.join(different)}. {hint}")
+        return FAMILIES[recorded]
     if model_type is not None:
         if model_type not in FAMILIES:
             raise ConfigError("--model-type", f"{model_type!r} is not a family bridge converts.",
