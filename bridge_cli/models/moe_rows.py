@@ -28,10 +28,7 @@ def gather_rows(src: torch.Tensor, index: torch.Tensor, count: Optional[torch.Te
     ``out`` has ``len(index)`` rows."""
     if count is None:
         return src.index_select(0, index)
-    if src.is_cuda and triton_available():
-        return _ops().gather_rows(src.contiguous(), index, count)
-    out = src.index_select(0, index)
-    return torch.where(_valid(index.shape[0], count, src.device).unsqueeze(-1), out, 0)
+    return torch.ops.bridge.gather_rows(src.contiguous(), index, count)
 
 
 def sum_rows(src: torch.Tensor, rows: torch.Tensor, complete: bool = False) -> torch.Tensor:
@@ -39,11 +36,40 @@ def sum_rows(src: torch.Tensor, rows: torch.Tensor, complete: bool = False) -> t
     ``complete``: no entry of ``rows`` is -1."""
     if complete:
         return src.index_select(0, rows.reshape(-1)).view(*rows.shape, src.shape[1]).sum(1)
+    return torch.ops.bridge.sum_rows(src.contiguous(), rows.contiguous())
+
+
+# Custom ops, so that compiled layers call them as they are (dynamo does not trace into Triton's launcher).
+@torch.library.custom_op("bridge::gather_rows", mutates_args=())
+def _gather_rows(src: torch.Tensor, index: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
     if src.is_cuda and triton_available():
-        return _ops().sum_rows(src.contiguous(), rows)
+        out = torch.empty(index.shape[0], src.shape[1], dtype=src.dtype, device=src.device)
+        if index.shape[0]:
+            _kernels().gather[(index.shape[0],)](src, index, count, out, src.shape[1], BLOCK=_BLOCK)
+        return out
+    return torch.where(_valid(index.shape[0], count, src.device).unsqueeze(-1), src.index_select(0, index), 0)
+
+
+@_gather_rows.register_fake
+def _(src, index, count):
+    return src.new_empty(index.shape[0], src.shape[1])
+
+
+@torch.library.custom_op("bridge::sum_rows", mutates_args=())
+def _sum_rows(src: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    if src.is_cuda and triton_available():
+        out = torch.empty(rows.shape[0], src.shape[1], dtype=src.dtype, device=src.device)
+        if rows.shape[0]:
+            _kernels().sum[(rows.shape[0],)](src, rows, out, src.shape[1], SLOTS=rows.shape[1], BLOCK=_BLOCK)
+        return out
     padded = torch.cat([src, src.new_zeros(1, src.shape[1])])  # row -1 reads this zero row
     flat = torch.where(rows >= 0, rows, src.shape[0]).reshape(-1)
     return padded.index_select(0, flat).view(*rows.shape, src.shape[1]).float().sum(1).to(src.dtype)
+
+
+@_sum_rows.register_fake
+def _(src, rows):
+    return src.new_empty(rows.shape[0], src.shape[1])
 
 
 def mask_rows(x: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
@@ -99,15 +125,18 @@ class SumRows(torch.autograd.Function):
         return gather_rows(grad, index, count), None, None, None
 
 
+_BLOCK = 1024
+"""Columns a Triton program moves at a time."""
+
+
 @functools.cache
-def _ops():
-    """The two Triton kernels as torch custom ops (traced whole by ``torch.compile``), registered on first use."""
+def _kernels():
+    """The two Triton kernels, compiled on first use (Triton is imported only here)."""
     import triton
     import triton.language as tl
-    from torch.library import triton_op, wrap_triton
 
     @triton.jit
-    def gather_kernel(src_ptr, index_ptr, count_ptr, out_ptr, width, BLOCK: tl.constexpr):
+    def gather(src_ptr, index_ptr, count_ptr, out_ptr, width, BLOCK: tl.constexpr):
         row = tl.program_id(0)
         if row < tl.load(count_ptr):
             source = tl.load(index_ptr + row).to(tl.int64)
@@ -117,32 +146,15 @@ def _ops():
                 tl.store(out_ptr + row.to(tl.int64) * width + cols, values, mask=cols < width)
 
     @triton.jit
-    def sum_kernel(src_ptr, rows_ptr, out_ptr, width, SLOTS: tl.constexpr, BLOCK: tl.constexpr):
+    def total(src_ptr, rows_ptr, out_ptr, width, SLOTS: tl.constexpr, BLOCK: tl.constexpr):
         token = tl.program_id(0).to(tl.int64)
         for start in range(0, width, BLOCK):
             cols = start + tl.arange(0, BLOCK)
-            total = tl.zeros([BLOCK], dtype=tl.float32)
+            acc = tl.zeros([BLOCK], dtype=tl.float32)
             for slot in tl.static_range(SLOTS):
                 row = tl.load(rows_ptr + token * SLOTS + slot).to(tl.int64)
                 values = tl.load(src_ptr + row * width + cols, mask=(cols < width) & (row >= 0), other=0.0)
-                total += values.to(tl.float32)
-            tl.store(out_ptr + token * width + cols, total.to(out_ptr.dtype.element_ty), mask=cols < width)
+                acc += values.to(tl.float32)
+            tl.store(out_ptr + token * width + cols, acc.to(out_ptr.dtype.element_ty), mask=cols < width)
 
-    block = 1024
-
-    @triton_op("bridge::gather_rows", mutates_args=())
-    def gather(src: torch.Tensor, index: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
-        out = torch.empty(index.shape[0], src.shape[1], dtype=src.dtype, device=src.device)
-        if index.shape[0]:
-            wrap_triton(gather_kernel)[(index.shape[0],)](src, index, count, out, src.shape[1], BLOCK=block)
-        return out
-
-    @triton_op("bridge::sum_rows", mutates_args=())
-    def total(src: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        out = torch.empty(rows.shape[0], src.shape[1], dtype=src.dtype, device=src.device)
-        if rows.shape[0]:
-            wrap_triton(sum_kernel)[(rows.shape[0],)](src, rows.contiguous(), out, src.shape[1],
-                                                      SLOTS=rows.shape[1], BLOCK=block)
-        return out
-
-    return SimpleNamespace(gather_rows=gather, sum_rows=total)
+    return SimpleNamespace(gather=gather, sum=total)

@@ -1,7 +1,7 @@
 """Expert parallelism against one GPU on the MoE proxy: the same loss curve, the speed, the all-to-all
 share of the step, and a checkpoint saved at EP=N that resumes on one GPU.
 
-    python scripts/bench/moe_ep.py [--iters 30] [--ep 2] [--recipe moe_proxy] [-- OVERRIDE ...]
+    python scripts/bench/moe_ep.py [--iters 30] [--ep 2 [4 ...]] [--recipe moe_proxy] [-- OVERRIDE ...]
 
 Runs of `bridge pretrain` with the same global batch:
 1. one process, and again with micro-batch 2 as a control of bf16 rounding;
@@ -34,6 +34,7 @@ from compare_mcore import run as run_timed
 
 LOSS = re.compile(r"^iteration\s+(\d+)/\d+ .*\| lm loss ([0-9.]+) ", re.M)
 TOKENS = re.compile(r"^iteration\s+(\d+)/\d+ .*\| tokens/s/gpu ([0-9,]+) ", re.M)
+KERNEL_TABLE = re.compile(r"^GPU time of .*by kernel kind:\n(?:  .*\n)+", re.M)
 TIMER = re.compile(r"^\s+(forward-backward|forward-compute|backward-compute|all-grads-sync|params-all-gather|"
                    r"optimizer)\s*\.*:\s*\(([0-9.]+), ([0-9.]+)\)", re.M)
 # CPU initialization draws every expert the same under any expert-parallel size (on the GPU each
@@ -88,10 +89,42 @@ def curve_difference(a: dict, b: dict, iterations) -> float:
     return max(abs(b[i] / a[i] - 1) for i in iterations)
 
 
+def torchrun(ranks: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "-m", "bridge_cli", "pretrain"]
+
+
+def expert_parallel(size: int, base: list[str], iters: int, tmp: Path) -> dict:
+    """One EP run under the profiler (three late iterations on rank 0); prints its row, then where its GPU time went."""
+    first, last = iters - 4, iters - 2
+    trace_dir = tmp / f"tb_ep{size}"
+    out = run([*torchrun(size), *base, f"train.train_iters={iters}", f"model.expert_model_parallel_size={size}",
+               "logger.timing_log_level=2", "profiling.use_pytorch_profiler=true",
+               f"profiling.profile_step_start={first}", f"profiling.profile_step_end={last}",
+               f"logger.tensorboard_dir={trace_dir}"])[0]
+    result = report(f"EP={size} on {size} GPUs", summary(out))
+    kinds = KERNEL_TABLE.search(out)
+    if kinds:  # rank 0's GPU time by kernel kind, as bridge printed it
+        print(f"EP={size} {kinds.group(0).strip()}")
+    timers = ", ".join(f"{name} {ms:.1f}" for name, ms in result["timers"].items())
+    print(f"EP={size} megatron-core timers (max over ranks, ms per iteration): {timers}")
+    share = collective_share(trace_dir, last - first + 1)
+    if share:
+        from bridge_cli.training import kernel_breakdown
+
+        trace = next(trace_dir.glob("*.pt.trace.json"))
+        rows = kernel_breakdown.by_launching_op(trace, last - first + 1, 25)
+        print(kernel_breakdown.op_table(rows, f"EP={size} rank 0, the 25 largest kernels by launching op, per step:"))
+        collectives = sum(v for k, v in share.items() if k != "GPU time")
+        print(f"EP={size} rank 0 trace, ms per step: " + ", ".join(f"{k} {v:.1f}" for k, v in share.items())
+              + f"; collectives {collectives / share['GPU time']:.1%} of the GPU time (the token exchange and the"
+              " optimizer's gradient reduce-scatter and weight all-gather)", flush=True)
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=30)
-    parser.add_argument("--ep", type=int, default=2)
+    parser.add_argument("--ep", type=int, nargs="+", default=[2], help="expert-parallel sizes, one run each")
     parser.add_argument("--recipe", default="moe_proxy")
     parser.add_argument("--resume-overrides", nargs="*", default=RESUME_OVERRIDES)
     parser.add_argument("--curves-only", action="store_true", help="only the one-GPU and EP runs")
@@ -100,23 +133,16 @@ def main() -> None:
     base = [f"recipe={args.recipe}", "train.eval_iters=0", "logger.log_interval=1",
             *(args.overrides or DEFAULT_OVERRIDES)]
     bridge = [sys.executable, "-m", "bridge_cli", "pretrain"]
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.ep), "-m", "bridge_cli",
-                "pretrain"]
-    ep = f"model.expert_model_parallel_size={args.ep}"
     print(f"{'run':<22} {'ms/step':>8} {'tok/s/gpu':>10} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>9}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         # each result as soon as its run ends, so a time limit keeps what finished
         one = report("one GPU", summary(run([*bridge, *base, f"train.train_iters={args.iters}"])[0]))
-        first, last = args.iters - 4, args.iters - 2
-        parallel = report(f"EP={args.ep} on {args.ep} GPUs", summary(run([
-            *torchrun, *base, f"train.train_iters={args.iters}", ep, "logger.timing_log_level=2",
-            "profiling.use_pytorch_profiler=true",
-            f"profiling.profile_step_start={first}", f"profiling.profile_step_end={last}",
-            f"logger.tensorboard_dir={tmp / 'tb'}"])[0]))
+        runs = {"one GPU": one}
+        for size in args.ep:
+            runs[f"EP={size}"] = expert_parallel(size, base, args.iters, tmp)
         # the control: one GPU again with two micro-batches of 2 instead of 1 (the same math, summed in
         # another order), to tell bf16 rounding carried through a steep curve from an EP error
-        runs = {"one GPU": one, f"EP={args.ep}": parallel}
         if not args.curves_only:
             runs["micro-batch 2"] = report("one GPU, micro-batch 2", summary(run([
                 *bridge, *base, f"train.train_iters={args.iters}", "train.micro_batch_size=2"])[0]))
@@ -125,25 +151,21 @@ def main() -> None:
         print(f"loss curves over {args.iters} iterations, largest relative difference from one GPU: " + ", ".join(
             f"{name} {curve_difference(one['losses'], r['losses'], one['losses']):.2e}"
             for name, r in list(runs.items())[1:]), flush=True)
-        timers = ", ".join(f"{name} {ms:.1f}" for name, ms in parallel["timers"].items())
-        print(f"EP={args.ep} megatron-core timers (max over ranks, ms per iteration): {timers}")
-        share = collective_share(tmp / "tb", last - first + 1)
-        if share:
-            collectives = sum(v for k, v in share.items() if k != "GPU time")
-            print(f"EP={args.ep} rank 0 trace, ms per step: " + ", ".join(f"{k} {v:.1f}" for k, v in share.items())
-                  + f"; collectives {collectives / share['GPU time']:.1%} of the GPU time (the token exchange and the"
-                  " optimizer's gradient reduce-scatter and weight all-gather)", flush=True)
+        for name, r in list(runs.items())[1:]:
+            print(f"{name}: {r['tokens'] / one['tokens']:.2f}x one GPU's tokens/s per GPU")
         if args.curves_only:
             return
+        size = args.ep[-1]
+        ep = f"model.expert_model_parallel_size={size}"
         small = [f"recipe={args.recipe}", "train.eval_iters=0", "logger.log_interval=1", *args.resume_overrides]
         save = [*small, "train.train_iters=8", f"checkpoint.save={tmp / 'ckpt'}"]
         straight = summary(run([*bridge, *small, "train.train_iters=8"])[0])["losses"]
-        run([*torchrun, *save, ep, "train.exit_interval=4"])
+        run([*torchrun(size), *save, ep, "train.exit_interval=4"])
         out = run([*bridge, *save])[0]
         resumed = summary(out)["losses"]
         notes = [line.strip() for line in out.splitlines() if "optimizer starts fresh" in line]
         # iteration 5's loss is computed before the resumed run's first update: the same weights
-        print(f"EP={args.ep} checkpoint (iteration 4) resumed on one process: losses 5..8 "
+        print(f"EP={size} checkpoint (iteration 4) resumed on one process: losses 5..8 "
               f"{[resumed[i] for i in range(5, 9)]}, one process straight through {[straight[i] for i in range(5, 9)]}"
               f" (iteration 5 relative difference {abs(resumed[5] / straight[5] - 1):.2e})"
               + (f"\n  {notes[0]}" if notes else ""))
