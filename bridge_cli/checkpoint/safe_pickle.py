@@ -7,7 +7,9 @@ it names, so a planted file would run with the user's rights the moment it is re
 megatron-core reads a folder, :func:`read_metadata` and :func:`check_objects` read each of those
 pickles, and every ``*.pt`` file (``common.pt``), through an unpickler that admits only the classes
 such files hold (:data:`ALLOWED`) and stops at the first other one, before it is looked up or called.
-Tensor items need no check: torch reads them with its own weights-only unpickler.
+Tensor items need no check: torch reads them with its own weights-only unpickler. Transformer Engine's
+FP8 state (a layer's ``_extra_state``) is a pickle inside a uint8 tensor, which Transformer Engine unpickles
+with ``pickle.loads`` when the layer loads: it is read through the allow-list too.
 
 ``BRIDGE_TRUST_CHECKPOINT_PICKLES=1`` skips the check, for a checkpoint whose writer the user trusts.
 It is an environment variable, not a config key, so that a recipe or a run_config.yaml that came with
@@ -16,6 +18,7 @@ a checkpoint cannot switch it on.
 
 from __future__ import annotations
 
+import codecs
 import io
 import os
 import pickle
@@ -55,7 +58,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     "numpy.core.multiarray": frozenset({"_reconstruct", "scalar"}),  # NumPy 1
     "_codecs": frozenset({"encode"}),
     # plain containers that have no opcode of their own
-    "builtins": frozenset({"set", "frozenset", "bytearray", "complex", "slice"}),
+    "builtins": frozenset({"set", "frozenset", "bytearray", "complex"}),
     "collections": frozenset({"OrderedDict"}),
     # megatron-core: the rerun state machine's state, and Megatron-LM's saved arguments (argparse
     # Namespace holding dtypes, paths, signals and megatron-core's enums and OptimizerConfig);
@@ -72,11 +75,18 @@ ALLOWED: dict[str, frozenset[str]] = {
     "signal": frozenset({"Signals"}),
     "_io": frozenset({"BytesIO"}),
     "io": frozenset({"BytesIO"}),
+    # Transformer Engine's FP8 extra state, a plain pickle (tensors in it pickle their storage as a nested
+    # torch.save archive, read through the allow-list too, see _load_storage): the recipes megatron-core
+    # 0.19's own restricted unpickler for that state admits
+    "torch.storage": frozenset({"_load_from_bytes", "UntypedStorage"}),
+    "transformer_engine.common.recipe": frozenset({
+        "DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling", "MXFP8BlockScaling", "NVFP4BlockScaling",
+        "Format", "_FormatHelper", "MMParams", "QParams"}),
+    "megatron.core.extensions.transformer_engine": frozenset({"TEDelayedScaling"}),
 }
 
 _PYTHON2_NAMES = {"__builtin__": "builtins"}  # how pickle protocol 2 (torch.save's) names builtins
-_ZIP = b"PK\x03\x04"  # torch.save's archive format
-_PICKLE = b"\x80"  # the PROTO opcode that opens a pickle of protocol 2 or later
+_EXTRA_STATE = "_extra_state"  # the key suffix of a layer's Transformer Engine state
 
 
 def trusted() -> bool:
@@ -111,6 +121,7 @@ def check_objects(path: Path, metadata) -> None:
     items of its shards (``metadata`` says which, and where) and every ``*.pt`` file, ``common.pt``
     included. Run after the shards are known to be whole."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+    from torch.distributed.checkpoint.utils import _create_file_view
 
     if trusted():
         return
@@ -123,9 +134,8 @@ def check_objects(path: Path, metadata) -> None:
             raise CheckpointError(f"{where} is stored through {', '.join(info.transform_descriptors)}, which bridge "
                                   f"cannot check for planted code. {_TRUST_HINT}")
         with open(path / info.relative_path, "rb") as f:
-            f.seek(info.offset)
-            item = f.read(info.length)
-        _check_torch_file(io.BytesIO(item), where)
+            # the slice torch's reader hands to torch.load, through the same view
+            _check_torch_file(_create_file_view(f, info.offset, info.length), where, _EXTRA_STATE in index.fqn)
     for file in sorted(path.rglob("*.pt")):
         with open(file, "rb") as f:
             _check_torch_file(f, str(file))
@@ -145,25 +155,43 @@ class _AllowList(pickle.Unpickler):
             raise _Refused(module, name)
         if (module, name) == ("_codecs", "encode"):
             return _latin1_encode
+        if (module, name) == ("torch.storage", "_load_from_bytes"):
+            return _load_storage
+        if module == "torch" and name.endswith("Storage"):  # what torch.load makes of a storage's type, as it does
+            from torch.serialization import StorageType
+
+            try:
+                return StorageType(name)
+            except KeyError:  # torch.UntypedStorage
+                pass
         return super().find_class(module, name)
 
 
 def _allowed(module: str, name: str) -> bool:
     if name in ALLOWED.get(module, ()):
         return True
-    if module == "torch":  # torch.float32, torch.bfloat16, ...: dtypes pickle as attributes of torch
+    if module == "torch":  # torch.float32, torch.FloatStorage, ...: dtypes and storage types, as attributes of torch
         import torch
 
-        return isinstance(getattr(torch, name, None), torch.dtype)
+        return isinstance(getattr(torch, name, None), torch.dtype) or (
+            name.endswith("Storage") and isinstance(getattr(torch, name, None), type))
     return False
 
 
-def _latin1_encode(text: str, encoding: str) -> bytes:
+def _latin1_encode(text: str, encoding: str = "utf-8", errors: str = "strict") -> bytes:
     """``_codecs.encode`` as pickle protocol 2 uses it, for bytes (written as latin-1 text), and nothing else:
     a codec is looked up by name."""
     if encoding not in ("latin1", "latin-1"):
         raise _Refused("_codecs", f"encode (with the {encoding!r} codec)")
-    return text.encode("latin-1")
+    return codecs.encode(text, "latin-1", errors)
+
+
+def _load_storage(data: bytes):
+    """``torch.storage._load_from_bytes``, which a pickled tensor calls on its storage (a torch.save archive)
+    and which would read it with ``weights_only=False``: read through the allow-list instead."""
+    import torch
+
+    return torch.load(io.BytesIO(data), weights_only=False, pickle_module=_PickleModule)
 
 
 class _PickleModule:
@@ -177,30 +205,64 @@ class _PickleModule:
         return _AllowList(file, **kwargs).load()
 
 
-def _check_torch_file(f: BinaryIO, where: str) -> None:
-    """A ``torch.save`` file (or a shard item in that format), and any archive nested in it as a BytesIO."""
+def _check_torch_file(f: BinaryIO, where: str, extra_state: bool = False, read=None) -> None:
+    """A ``torch.save`` file (or a shard item in that format), and what it holds that readers unpickle in turn: a
+    BytesIO (torch.load reads megatron-core 0.19's common state and Transformer Engine's older FP8 state so),
+    and in a layer's ``_extra_state`` a uint8 tensor (Transformer Engine's pickled FP8 state)."""
     import torch
 
-    # weights_only=False lets torch take pickle_module: its reader, our allow-list; tensor data stays on the CPU
-    loaded = _reading(where, lambda: torch.load(f, map_location="cpu", weights_only=False, pickle_module=_PickleModule))
-    for nested in _byte_buffers(loaded):
-        content = nested.getvalue()
-        if content.startswith(_ZIP):
-            _check_torch_file(io.BytesIO(content), f"{where}, an archive nested in it")
-        elif content.startswith(_PICKLE):
-            _reading(f"{where}, a pickle nested in it", lambda: _AllowList(io.BytesIO(content)).load())
+    read = read or _reading
+    if extra_state:  # small, and the tensors' bytes are the point
+        # weights_only=False lets torch take pickle_module: its reader, our allow-list
+        loaded = read(where, lambda: torch.load(f, map_location="cpu", weights_only=False,
+                                                pickle_module=_PickleModule))
+    else:
+        loaded = read(where, lambda: _unpickle_archive(f))
+    for buffer in _leaves(loaded, io.BytesIO):
+        if buffer.getbuffer().nbytes:
+            _check_torch_file(io.BytesIO(buffer.getvalue()), f"{where}, a BytesIO in it", extra_state, _nested)
+    for tensor in _leaves(loaded, torch.Tensor) if extra_state else ():
+        if tensor.dtype == torch.uint8 and tensor.numel():
+            content = tensor.detach().cpu().numpy().tobytes()
+            _nested(f"{where}, the Transformer Engine state in it", lambda: _AllowList(io.BytesIO(content)).load())
 
 
-def _byte_buffers(obj: Any, depth: int = 0):
-    """The BytesIO objects in ``obj`` (megatron-core 0.19 nests its common state so; readers unpickle them)."""
-    if isinstance(obj, io.BytesIO):
+def _unpickle_archive(f: BinaryIO) -> Any:
+    """The object of torch.save file ``f`` with its tensors on the meta device: the pickle torch.load would run,
+    through the allow-list, and no tensor data read (a distributed optimizer's state item holds gigabytes)."""
+    import torch
+    from torch.serialization import _is_zipfile
+
+    if not _is_zipfile(f):  # torch's legacy format (before 1.6): pickles all through
+        return torch.load(f, map_location="cpu", weights_only=False, pickle_module=_PickleModule)
+    archive = torch._C.PyTorchFileReader(f)  # torch's own zip reader finds the pickle torch.load would
+    unpickler = _AllowList(io.BytesIO(archive.get_record("data.pkl")))
+    unpickler.persistent_load = _meta_storage
+    return unpickler.load()
+
+
+def _meta_storage(saved_id: tuple) -> Any:
+    """A storage as torch.save's pickle names it ("storage", its type, key, location, elements), on the meta device."""
+    import torch
+
+    kind, storage_type, _, _, numel = saved_id
+    if kind != "storage":
+        raise pickle.UnpicklingError(f"unknown persistent id {kind!r}")
+    dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
+    untyped = torch.UntypedStorage(numel * torch._utils._element_size(dtype), device="meta")
+    return torch.storage.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
+
+
+def _leaves(obj: Any, kind: type, depth: int = 0):
+    """The objects of type ``kind`` in ``obj`` and the containers in it."""
+    if isinstance(obj, kind):
         yield obj
     elif depth < 32 and isinstance(obj, dict):
         for value in obj.values():
-            yield from _byte_buffers(value, depth + 1)
+            yield from _leaves(value, kind, depth + 1)
     elif depth < 32 and isinstance(obj, (list, tuple, set, frozenset)):
         for value in obj:
-            yield from _byte_buffers(value, depth + 1)
+            yield from _leaves(value, kind, depth + 1)
 
 
 def _reading(where, read):
@@ -208,11 +270,28 @@ def _reading(where, read):
     try:
         return read()
     except _Refused as refused:
-        raise CheckpointError(
-            f"{where}: refused to unpickle {refused.module}.{refused.name}, which no checkpoint holds: loading the "
-            f"file could run code planted in it, so bridge stopped before loading anything. {_TRUST_HINT}") from None
+        raise _refusal(where, refused) from None
     except CheckpointError:
         raise
     except Exception as err:  # a damaged file surfaces as whatever unpickling it raises
         raise CheckpointError(f"{where} cannot be read ({type(err).__name__}: {str(err)[:300]}); "
                               "the checkpoint is damaged.") from err
+
+
+def _nested(where, read):
+    """``read`` of data a reader may unpickle in turn, where only a refused class counts: data that is no
+    pickle fails that reader at the same opcode, having called nothing outside the allow-list."""
+    try:
+        return read()
+    except _Refused as refused:
+        raise _refusal(where, refused) from None
+    except CheckpointError:
+        raise
+    except Exception:
+        return None
+
+
+def _refusal(where, refused: _Refused) -> CheckpointError:
+    return CheckpointError(
+        f"{where}: refused to unpickle {refused.module}.{refused.name}, which no checkpoint holds: loading the "
+        f"file could run code planted in it, so bridge stopped before loading anything. {_TRUST_HINT}")

@@ -90,9 +90,33 @@ def test_a_pickle_in_a_shard_item_is_refused_before_it_runs(tmp_path, nested):
 
     with pytest.raises(CheckpointError) as refused:
         verify.check_files(ckpt)
-    where = f"{ckpt / '__0_0.distcp'} (its item common_state/shard_0_1)" + (", an archive nested in it" if nested else "")
+    where = f"{ckpt / '__0_0.distcp'} (its item common_state/shard_0_1)" + (", a BytesIO in it" if nested else "")
     assert str(refused.value).startswith(f"{where}: refused to unpickle posix.system, which no checkpoint holds")
     assert f"run again with {TRUST}=1" in str(refused.value)
+    assert not marker.exists()
+
+
+def extra_state(pickled: bytes) -> dict:
+    """A layer's Transformer Engine state as megatron-core saves it: a uint8 tensor of pickle.dumps(state)
+    (empty without FP8), which Transformer Engine reads back with pickle.loads."""
+    data = torch.frombuffer(bytearray(pickled), dtype=torch.uint8) if pickled else torch.empty(0, dtype=torch.uint8)
+    return {"decoder.layers.0.self_attention.linear_proj._extra_state/shard_0_1": [data]}
+
+
+def test_transformer_engine_state_is_read_through_the_allow_list(tmp_path):
+    fp8 = {"scale_fwd": torch.ones(3), "amax_history_fwd": torch.zeros(16, 3), "extra_fp8_variables": {"num_gemms": 1}}
+    common = common_item({"iteration": 1})
+    verify.check_files(write(tmp_path / "fp8", {**common, **extra_state(pickle.dumps(fp8))}))
+    verify.check_files(write(tmp_path / "bf16", {**common, **extra_state(b"")}))
+
+    marker = tmp_path / "MARKER"
+    # protocol 0 has no PROTO opcode in front: what is read must not depend on how a pickle starts
+    for protocol in (4, 0):
+        ckpt = write(tmp_path / f"protocol{protocol}",
+                     {**common, **extra_state(pickle.dumps({"recipe": Planted(marker)}, protocol=protocol))})
+        with pytest.raises(CheckpointError, match=r"_extra_state/shard_0_1\), the Transformer Engine state in it: "
+                                                  "refused to unpickle posix.system"):
+            verify.check_files(ckpt)
     assert not marker.exists()
 
 
