@@ -63,14 +63,15 @@ def plant_common(ckpt: Path, marker: Path) -> tuple[Path, str]:
 
 
 def plant_shard_item(ckpt: Path, marker: Path) -> tuple[Path, str]:
-    """Append a pickle to a shard and point the RNG-state item of .metadata (itself unchanged otherwise) at it."""
+    """Append a pickle to a shard and point the RNG-state item of .metadata (itself unchanged otherwise) at it:
+    the item torch unpickles with weights_only=False."""
     import torch
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
     metadata = pickle.loads((ckpt / ".metadata").read_bytes())
-    index, info = next((i, s) for i, s in metadata.storage_data.items()
-                       if isinstance(metadata.state_dict_metadata[i.fqn], BytesStorageMetadata))
+    index, info = next((i, s) for i, s in metadata.storage_data.items() if i.fqn.startswith("rng_state/"))
+    assert isinstance(metadata.state_dict_metadata[index.fqn], BytesStorageMetadata)
     payload = io.BytesIO()
     torch.save([Planted(marker)], payload)
     shard = ckpt / info.relative_path
