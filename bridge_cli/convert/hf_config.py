@@ -108,24 +108,20 @@ def partial_rotary_factor(hf: Mapping[str, Any], where: Path) -> float:
     return float(factor)
 
 
-def seq_length(hf: Mapping[str, Any], where: Path, wanted: Optional[int], window: Optional[int] = None,
-               longest: Optional[int] = None) -> int:
+def seq_length(hf: Mapping[str, Any], where: Path, wanted: Optional[int], longest: Optional[int] = None) -> int:
     """model.seq_length: ``wanted``, or max_position_embeddings capped at DEFAULT_MAX_SEQ_LENGTH.
 
     ``wanted`` may go up to max_position_embeddings, or to ``longest`` where the RoPE scaling takes the
-    model further (YaRN's factor x original length). Both are capped at a sliding ``window``: up to that
-    length, full causal attention is exactly what the model computes.
+    model further (YaRN's factor x original length). A sliding window sets no limit: the converted model
+    has it (``window_size``) at every length.
     """
     declared = hf.get("max_position_embeddings") or DEFAULT_MAX_SEQ_LENGTH
     limit = max(declared, longest or 0)
     source = "max_position_embeddings" if limit == declared else "YaRN's factor x original_max_position_embeddings"
-    if window:
-        declared, limit = min(declared, window), min(limit, window)
     if wanted is None:
         return min(declared, DEFAULT_MAX_SEQ_LENGTH)
     if wanted > limit:
-        raise ConfigError("--seq-length", f"{wanted} is longer than the model supports ({limit}: "
-                          f"{source}{' / sliding_window' if window else ''} in {where}).",
+        raise ConfigError("--seq-length", f"{wanted} is longer than the model supports ({limit}: {source} in {where}).",
                           f"Use --seq-length {limit} or less.")
     return wanted
 

@@ -56,6 +56,9 @@ MOE_FIELDS = ("num_moe_experts", "moe_ffn_hidden_size", "moe_layer_freq", "moe_s
               "moe_router_group_topk")
 """Those of a mixture-of-experts model (its experts' shapes and its routing), which config.json sets per model."""
 
+WINDOW_FIELDS = ("window_size", "window_attn_skip_freq")
+"""A sliding-window model's windows (which layers, how far back), which config.json sets per model."""
+
 _LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
                "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 """torchrun's variables, which the conversion's child process must not see (it is a world of one)."""
@@ -91,7 +94,7 @@ def check_model(model: Mapping[str, Any], hf_dir: str) -> None:
     applied after config.json, can make it differ), and a seq_length longer than the model supports."""
     family, fields = model_fields(hf_dir)
     where = Path(hf_dir) / "config.json"
-    fixed = [*SHAPE_FIELDS, *(key for key in fields if key in family.fixed or key in MOE_FIELDS)]
+    fixed = [*SHAPE_FIELDS, *(key for key in fields if key in family.fixed or key in (*MOE_FIELDS, *WINDOW_FIELDS))]
     for key in fixed:
         if model.get(key) != fields[key]:
             raise ConfigError(f"model.{key}", f"the command line sets {model.get(key)!r}; {where} says {fields[key]!r}, "
@@ -99,7 +102,7 @@ def check_model(model: Mapping[str, Any], hf_dir: str) -> None:
                               f"Drop model.{key} from the command line (the Hugging Face folder sets it).")
     hf = family.completed(hf_config.read_config(Path(hf_dir)))
     try:
-        hf_config.seq_length(hf, where, model["seq_length"], family.window(hf), family.longest(hf, where))
+        hf_config.seq_length(hf, where, model["seq_length"], family.longest(hf, where))
     except ConfigError as err:
         raise ConfigError("model.seq_length", err.message, "Set model.seq_length to that length or less.") from None
 

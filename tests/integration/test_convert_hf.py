@@ -40,25 +40,30 @@ MODELS = {
     # untied, GQA, Llama 3.1 RoPE scaling, saved in several shards with an index
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(vocab_size=1000, rope_theta=500000.0, rope_scaling=LLAMA3_ROPE,
                                                       tie_word_embeddings=False, rms_norm_eps=1e-5), "100KB"),
-    "mistral": ("MistralConfig", "MistralForCausalLM", dict(vocab_size=768, sliding_window=4096,
+    # a sliding window in every layer (8 of the 24 tokens; the recipe's seq_length, 128, is longer)
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(vocab_size=768, sliding_window=8,
                                                             tie_word_embeddings=False), None),
-    # biases on q/k/v, tied embeddings
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(vocab_size=512, rope_theta=1000000.0,
-                                                      tie_word_embeddings=True), None),
-    # per-head q/k RMSNorm, head_dim (32) other than hidden/heads (16), YaRN RoPE (as Qwen's model cards add it)
+    # biases on q/k/v, tied embeddings, a global and a sliding-window layer (max_window_layers 1)
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(vocab_size=512, rope_theta=1000000.0, tie_word_embeddings=True,
+                                                      use_sliding_window=True, sliding_window=8, max_window_layers=1),
+              None),
+    # per-head q/k RMSNorm, head_dim (32) other than hidden/heads (16), YaRN RoPE (as Qwen's model cards add it),
+    # a global and a sliding-window layer
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(
         vocab_size=640, head_dim=32, rope_theta=1000000.0, tie_word_embeddings=False,
-        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}), None),
-    # fused qkv_proj and gate_up_proj, RoPE on half of each head, a window that caps seq_length
-    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(vocab_size=576, partial_rotary_factor=0.5, sliding_window=64,
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
+        use_sliding_window=True, sliding_window=8, max_window_layers=1), None),
+    # fused qkv_proj and gate_up_proj, RoPE on half of each head, a sliding window in every layer
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(vocab_size=576, partial_rotary_factor=0.5, sliding_window=8,
                                                    eos_token_id=2, pad_token_id=None, tie_word_embeddings=False), None),
-    # every layer MoE; softmax over the experts, top-2, renormalised
+    # every layer MoE; softmax over the experts, top-2, renormalised; a sliding window in every layer
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(vocab_size=512, num_local_experts=4, num_experts_per_tok=2,
-                                                            tie_word_embeddings=False), None),
-    # per-head q/k norms, a dense first layer (mlp_only_layers), top-2 not renormalised
+                                                            tie_word_embeddings=False, sliding_window=8), None),
+    # per-head q/k norms, a dense first layer (mlp_only_layers), top-2 not renormalised, every layer windowed
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
         vocab_size=512, head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
-        norm_topk_prob=False, mlp_only_layers=[0], tie_word_embeddings=False), None),
+        norm_topk_prob=False, mlp_only_layers=[0], tie_word_embeddings=False, use_sliding_window=True,
+        sliding_window=8), None),
     # q/k norms over the whole projection, top-2 renormalised
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(vocab_size=512, num_experts=4, num_experts_per_tok=2,
                                                       norm_topk_prob=True, tie_word_embeddings=False), None),
@@ -81,14 +86,17 @@ MODELS = {
         tie_word_embeddings=False), None),
     # 1 + w RMSNorms, scaled embeddings, tanh-GELU gated MLP, head_dim (32) other than hidden/heads (16), tied
     "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(vocab_size=640, head_dim=32), None),
-    # LayerNorm with biases, an ungated tanh-GELU MLP, biases on every linear, tied embeddings
-    "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", dict(vocab_size=512, rope_theta=100000.0), None),
+    # LayerNorm with biases, an ungated tanh-GELU MLP, biases on every linear, tied embeddings, a sliding window
+    "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", dict(vocab_size=512, rope_theta=100000.0,
+                                                                     sliding_window=8), None),
     # norms after the attention and the MLP only, q/k RMSNorm over the whole projection, untied
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(vocab_size=512, rope_theta=500000.0), None),
-    # q/k/v biases, a gated shared expert in each MoE layer, a dense first layer, top-2 not renormalised
+    # q/k/v biases, a gated shared expert in each MoE layer, a dense first layer, top-2 not renormalised; a
+    # sliding-window first layer (even and below max_window_layers) and a global one
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
         vocab_size=512, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
-        shared_expert_intermediate_size=96, norm_topk_prob=False, mlp_only_layers=[0], tie_word_embeddings=False), None),
+        shared_expert_intermediate_size=96, norm_topk_prob=False, mlp_only_layers=[0], tie_word_embeddings=False,
+        use_sliding_window=True, sliding_window=8, max_window_layers=2), None),
     # norms before and after each sublayer, q/k/v biases, fused gate_up_proj, interleaved RoPE on half of each head
     "glm4": ("Glm4Config", "Glm4ForCausalLM", dict(vocab_size=512, head_dim=16, partial_rotary_factor=0.5,
                                                    eos_token_id=2, pad_token_id=None), None),
@@ -105,6 +113,11 @@ MODELS = {
         vocab_size=512, bos_token_id=None, eos_token_id=None, tie_word_embeddings=False,
         rope_scaling={"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64}), None),
 }
+WINDOWS = {"mistral": ([7, 0], [1, 1]), "mixtral": ([7, 0], [1, 1]), "phi3": ([7, 0], [1, 1]),
+           "starcoder2": ([7, 0], [1, 1]), "qwen3_moe": ([7, 0], [1, 1]), "qwen2": ([7, 0], [0, 1]),
+           "qwen3": ([7, 0], [0, 1]), "qwen2_moe": ([7, 0], [1, 0]), "gemma3_text": ([7, 0], [1, 0]),
+           "gemma2": ([7, 0], [1, 0]), "gpt_oss": ([7, 0], [1, 0])}
+"""The imported models' window_size and window_attn_skip_freq (sliding_window 8: the query and 7 keys before it)."""
 MOE = ("mixtral", "qwen3_moe", "olmoe", "gpt_oss", "qwen2_moe")
 """The mixture-of-experts families, loaded at EP=2 too (and at TP=2 with their experts split, GPT-OSS's biased
 ones excepted: megatron-core computes those at expert TP 1)."""
@@ -267,6 +280,20 @@ def test_a_key_config_json_leaves_out_means_transformers_default(work, hf_dirs, 
         assert (logits[name] - torch.load(reference(hf_dirs[name]))).abs().max().item() < ATOL, name
 
 
+@pytest.mark.parametrize("name", ["mistral", "mixtral", "phi3", "starcoder2", "qwen3_moe", "qwen2", "qwen3", "qwen2_moe"])
+def test_the_sliding_windows_change_the_logits(name, hf_dirs, tokens, tmp_path):
+    """The 24 tokens reach past the window of 8: the same weights with full attention give other logits, so the
+    imported models' equality with transformers' holds above the window (and below it, in the first 8 positions)."""
+    folder = tmp_path / "unwindowed"
+    shutil.copytree(hf_dirs[name], folder)
+    config = json.loads((folder / "config.json").read_text())
+    config = {key: value for key, value in config.items() if key != "layer_types"}
+    (folder / "config.json").write_text(json.dumps({**config, "sliding_window": None, "use_sliding_window": False}))
+    full, windowed = hf_logits(folder, tokens), torch.load(reference(hf_dirs[name]))
+    assert torch.allclose(full[:, :8], windowed[:, :8], atol=1e-6)
+    assert (full[:, 8:] - windowed[:, 8:]).abs().max().item() > 1e-3
+
+
 @pytest.mark.slow
 def test_import_writes_a_checkpoint_and_recipe_in_the_project_layout(imported):
     for name, folder in imported.items():
@@ -288,7 +315,8 @@ def test_import_writes_a_checkpoint_and_recipe_in_the_project_layout(imported):
         assert model.get("num_moe_experts") == (4 if name in MOE else None)
         assert model.get("rotary_percent") == {"phi3": 0.5, "glm4": 0.5, "stablelm": 0.25, "gpt2": None}.get(name, 1.0)
         assert model.get("rotary_interleaved", False) == (name == "glm4")
-        assert model["seq_length"] == (64 if name == "phi3" else 128)  # capped at phi3's sliding window
+        assert model["seq_length"] == 128  # a sliding window (8) caps it no longer
+        assert (model.get("window_size"), model.get("window_attn_skip_freq")) == WINDOWS.get(name, (None, None))
     gemma = yaml.safe_load((imported["gemma3_text"] / "recipe.yaml").read_text())["model"]
     assert (gemma["window_size"], gemma["window_attn_skip_freq"]) == ([7, 0], [1, 0])
     assert (gemma["rotary_base"], gemma["local_rotary_base"], gemma["seq_len_interpolation_factor"]) == (

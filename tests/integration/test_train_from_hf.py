@@ -121,6 +121,30 @@ def test_a_command_line_field_that_contradicts_the_weights_is_refused(cli, hf_di
     assert fragment.format(hf_dir) in result.stderr, result.stderr
 
 
+@pytest.fixture(scope="module")
+def mistral_dir(tmp_path_factory) -> Path:
+    """A Mistral whose sliding window (16) is shorter than max_position_embeddings (64)."""
+    torch.manual_seed(0)
+    config = transformers.MistralConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                        vocab_size=512, sliding_window=16)
+    folder = tmp_path_factory.mktemp("hf") / "mistral"
+    transformers.MistralForCausalLM(config).float().save_pretrained(folder)
+    return folder
+
+
+def test_a_sliding_window_model_trains_past_its_window_with_the_window(cli, mistral_dir):
+    """model.seq_length above sliding_window keeps the window (the model equals transformers' at every length); the
+    command line cannot drop it."""
+    result = cli("pretrain", "recipe=tiny", f"checkpoint.pretrained_checkpoint={mistral_dir}", "model.seq_length=64",
+                 "--dry-run")
+    assert result.exit_code == 0, result.output
+    assert "  seq_length: 64\n" in result.stdout and "  window_size:\n  - 15\n  - 0\n" in result.stdout
+    refused = cli("pretrain", "recipe=tiny", f"checkpoint.pretrained_checkpoint={mistral_dir}", "model.window_size=null",
+                  "--dry-run")
+    assert refused.exit_code == 2 and "model.window_size: the command line sets None" in refused.stderr, refused.stderr
+
+
 @pytest.mark.parametrize("overrides, fragment", [
     (["checkpoint.export_hf_dir={tmp}/out"], "checkpoint.export_hf_dir: needs save set to a directory"),
     (["checkpoint.save={tmp}/save", "checkpoint.export_hf_dir={tmp}/taken"],

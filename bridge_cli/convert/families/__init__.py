@@ -4,8 +4,8 @@ the registry that `import-hf`, `export-hf` and `families` use. No torch import.
 Import picks the family by config.json's ``model_type`` and records it in the recipe
 (``checkpoint.export_hf_model_type``), so that it travels with every checkpoint trained from there. Export takes
 ``--model-type``, else the family the checkpoint records, else picks the first family, in registry order, whose
-fixed fields the checkpoint's model has (Mistral never: a Mistral without its sliding window is the identical
-Llama; Seed-OSS never: it is the identical Qwen2).
+fixed fields the checkpoint's model has (a Mistral without its sliding window is the identical Llama, so Mistral
+comes after it; Seed-OSS never: it is the identical Qwen2).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ FAMILIES: dict[str, LlamaLike] = {family.model_type: family
                                                  SeedOss(), Arcee())}
 """model_type -> its family, in the order export tries them."""
 
-INFERRED = ("llama", "qwen2", "qwen3", "phi3",
+INFERRED = ("llama", "mistral", "qwen2", "qwen3", "phi3",
             "mixtral", "qwen3_moe", "olmoe", "gemma3_text", "gemma2", "gpt_oss", "gemma", "starcoder2", "olmo2",
             "qwen2_moe", "glm4", "stablelm", "gpt2", "arcee")
 """The families export picks without --model-type."""

@@ -31,7 +31,7 @@ from typing import Any, Mapping, Optional
 from bridge_cli.convert import hf_config
 from bridge_cli.convert.families.gemma import refuse_gemma_options
 from bridge_cli.convert.families.llama_like import LLAMA_STYLE, LlamaLike
-from bridge_cli.convert.families.windows import layer_types, window_config, window_fields
+from bridge_cli.convert.families.windows import layer_types, window_config
 from bridge_cli.convert.hf_config import unsupported
 
 ACTIVATION = "gelu_pytorch_tanh"
@@ -57,17 +57,18 @@ class Gemma3(LlamaLike):
     pre_norms = ("input_layernorm", "pre_feedforward_layernorm")
     post_norms = ("post_attention_layernorm", "post_feedforward_layernorm")
 
+    windows = "per_layer"
     window_pattern = 6
     """Without ``layer_types``, every ``sliding_window_pattern``-th layer is global (this default where unset)."""
 
     # config.json -> model fields
 
     def fields(self, hf: Mapping[str, Any], where: Path, seq_length: Optional[int] = None) -> dict[str, Any]:
-        fields = {**super().fields(hf, where, seq_length),
-                  "softmax_scale": float(hf["query_pre_attn_scalar"]) ** -0.5,
-                  **{key: _soft_cap(hf[key], key, where) for key in SOFT_CAPS}}
-        layers = layer_types(hf, fields["num_layers"], where, self.window_pattern)
-        return {**fields, **window_fields(hf, layers, where)}
+        return {**super().fields(hf, where, seq_length), "softmax_scale": float(hf["query_pre_attn_scalar"]) ** -0.5,
+                **{key: _soft_cap(hf[key], key, where) for key in SOFT_CAPS}}
+
+    def layer_kinds(self, hf: Mapping[str, Any], count: int, where: Path) -> list[str]:
+        return layer_types(hf, count, where, self.window_pattern)
 
     def activation(self, hf: Mapping[str, Any], where: Path) -> str:
         act = hf.get("hidden_activation") or hf.get("hidden_act") or ACTIVATION

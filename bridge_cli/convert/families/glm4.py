@@ -4,7 +4,7 @@ q/k/v, ``gate_up_proj`` fused as Phi-3's, and RoPE on the first half of each hea
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping
 
 from bridge_cli.convert.families.llama_like import LlamaLike
 from bridge_cli.convert.families.phi3 import Phi3
@@ -22,15 +22,16 @@ class Glm4(Phi3):
     models = "GLM-4-0414 (9B, 32B), GLM-Z1; sandwich norms, q/k/v biases, interleaved partial RoPE"
     limits = "refuses attention_bias=false and RoPE scalings other than llama3"
     rope_hint = ""
-    fixed = {**Phi3.fixed, "add_qkv_bias": True, "post_sublayer_norm": True, "rotary_interleaved": True}
+    fixed = {**Phi3.fixed, "add_qkv_bias": True, "post_sublayer_norm": True, "rotary_interleaved": True,
+             "window_size": None}
+    windows = None
     post_norms = ("post_self_attn_layernorm", "post_mlp_layernorm")
 
     def check(self, hf: Mapping[str, Any], where: Path) -> None:
         if not hf.get("attention_bias", True):
             unsupported(where, "attention_bias false: this family fixes the q/k/v biases on")
 
-    def window(self, hf: Mapping[str, Any]) -> Optional[int]:
-        return None
+    layer_kinds = LlamaLike.layer_kinds  # no sliding window (Phi-3 has one)
 
     def hf_extras(self, model: Mapping[str, Any]) -> dict[str, Any]:
         # token ids belong to the tokenizer (GLM-4's defaults would not fit a smaller vocabulary)

@@ -32,7 +32,7 @@ from typing import Any, Mapping, Optional
 from bridge_cli.convert import hf_config, yarn
 from bridge_cli.convert.families.llama_like import LLAMA_STYLE, LlamaLike
 from bridge_cli.convert.families.moe import MoELike, moe_fixed
-from bridge_cli.convert.families.windows import layer_types, window_config, window_fields
+from bridge_cli.convert.families.windows import layer_types, window_config
 from bridge_cli.convert.hf_config import unsupported
 from bridge_cli.convert.hf_weights import Architecture, Layout, Pair
 
@@ -56,18 +56,20 @@ class GptOss(MoELike, LlamaLike):
               "RoPE other than yarn, swiglu_alpha other than 1.702 and top-1 routing; the experts run as "
               "SequentialMLP at expert TP 1, so training under TP > 1 needs EP > 1")
     experts_key = "num_local_experts"
+    windows = "per_layer"
     fixed = moe_fixed(DENSE, moe_router_pre_softmax=False)
 
     # config.json -> model fields
 
     def fields(self, hf: Mapping[str, Any], where: Path, seq_length: Optional[int] = None) -> dict[str, Any]:
-        fields = {**super().fields(hf, where, seq_length),
-                  "activation_func_clamp_value": float(hf.get("swiglu_limit", 7.0)),
-                  # megatron-core computes biased experts at expert TP 1 only, and bridge's grouped-GEMM
-                  # experts (without Transformer Engine) take no biases
-                  "expert_tensor_parallel_size": 1, "moe_grouped_gemm": False}
-        layers = layer_types(hf, fields["num_layers"], where, 2)
-        return {**fields, **window_fields(hf, layers, where)}
+        return {**super().fields(hf, where, seq_length),
+                "activation_func_clamp_value": float(hf["swiglu_limit"]),
+                # megatron-core computes biased experts at expert TP 1 only, and bridge's grouped-GEMM
+                # experts (without Transformer Engine) take no biases
+                "expert_tensor_parallel_size": 1, "moe_grouped_gemm": False}
+
+    def layer_kinds(self, hf: Mapping[str, Any], count: int, where: Path) -> list[str]:
+        return layer_types(hf, count, where, 2)
 
     def activation(self, hf: Mapping[str, Any], where: Path) -> str:
         # hidden_act is unused: GPT-OSS's experts compute their clamped SwiGLU whatever it says

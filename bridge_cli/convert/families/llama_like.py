@@ -2,7 +2,7 @@
 
 All are megatron-core GPTModels with RMSNorm, SwiGLU, RoPE and grouped-query attention. A family
 is a subclass of :class:`LlamaLike` that changes only what differs from Llama (biases on q/k/v,
-per-head q/k norms, fused projections, a sliding window, its own config.json keys). No torch import.
+per-head q/k norms, fused projections, sliding windows, its own config.json keys). No torch import.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from typing import Any, Mapping, Optional
 
 from bridge_cli.convert import hf_config, yarn
 from bridge_cli.convert.families import hf_defaults
+from bridge_cli.convert.families.windows import LAYER_TYPES, window_differences, window_fields
 from bridge_cli.convert.hf_config import LLAMA3_ROPE_FIXED, unsupported
 from bridge_cli.convert.hf_weights import Architecture, Layout, Pair
 
@@ -62,6 +63,9 @@ class LlamaLike:
     """Its name of the norm after the last layer."""
     epsilon_key = "rms_norm_eps"
     """config.json's key of the norms' epsilon."""
+    windows: Optional[str] = None
+    """Where the family's sliding window may be: None (nowhere; ``window_size`` is a fixed field), "every_layer"
+    (in every layer or none, Mistral's) or "per_layer" (:meth:`layer_kinds` says)."""
 
     # config.json -> model fields
 
@@ -70,7 +74,7 @@ class LlamaLike:
         transformers' config class of the family makes of it.
 
         ``seq_length`` overrides the default (max_position_embeddings capped at
-        DEFAULT_MAX_SEQ_LENGTH and at a sliding window). Raises CheckpointError for what
+        DEFAULT_MAX_SEQ_LENGTH). Raises CheckpointError for what
         megatron-core cannot build exactly.
         """
         return self.fields(self.completed(hf), where, seq_length)
@@ -91,7 +95,7 @@ class LlamaLike:
             # Megatron pads the embedding to a multiple of this (times TP); a power of two that divides
             # the vocabulary keeps it unpadded at TP=1, so the checkpoint holds exactly HF's rows.
             "make_vocab_size_divisible_by": min(128, vocab & -vocab),
-            "seq_length": hf_config.seq_length(hf, where, seq_length, self.window(hf), self.longest(hf, where)),
+            "seq_length": hf_config.seq_length(hf, where, seq_length, self.longest(hf, where)),
             "share_embeddings_and_output_weights": bool(hf.get("tie_word_embeddings")),
             "normalization": "RMSNorm",
             "layernorm_epsilon": float(hf[self.epsilon_key]),
@@ -105,6 +109,7 @@ class LlamaLike:
             "hidden_dropout": 0.0,
             "attention_dropout": float(hf.get("attention_dropout", 0.0)),
             "init_method_std": float(hf.get("initializer_range", 0.02)),
+            **window_fields(hf, self.layer_kinds(hf, shape["num_layers"], where), where),
         }
 
     def shape(self, hf: Mapping[str, Any], where: Path) -> dict[str, Any]:
@@ -159,9 +164,10 @@ class LlamaLike:
         if hf.get("attention_bias") or hf.get("mlp_bias"):
             unsupported(where, "attention_bias/mlp_bias: megatron-core's Llama has no biases on o_proj and the MLP")
 
-    def window(self, hf: Mapping[str, Any]) -> Optional[int]:
-        """A sliding window that caps model.seq_length (None: full attention at every length)."""
-        return None
+    def layer_kinds(self, hf: Mapping[str, Any], count: int, where: Path) -> list[str]:
+        """Each of the ``count`` layers' attention, as transformers' model of the family reads config.json:
+        "sliding_attention" (windowed, ``sliding_window``) or "full_attention"."""
+        return [LAYER_TYPES[1]] * count
 
     def longest(self, hf: Mapping[str, Any], where: Path) -> Optional[int]:
         """The longest sequence the model takes where max_position_embeddings understates it (YaRN's); None: that."""
@@ -182,6 +188,8 @@ class LlamaLike:
         # a field this megatron-core lacks cannot hold another value; RoPE may be YaRN's (config.json says so)
         out = [f"model.{key}={model[key]}" for key, value in self.fixed.items()
                if key in model and model[key] != value and (key, value, model[key]) != _YARN_FOR_ROPE]
+        if self.windows is not None:
+            out += window_differences(model, self.model_type, every_layer=self.windows == "every_layer")
         return out + (yarn.differences(model) if model.get("position_embedding_type") == "yarn" else [])
 
     def hf_config(self, model: Mapping[str, Any]) -> dict[str, Any]:
@@ -280,12 +288,6 @@ class LlamaLike:
         return [Pair(m + "linear_fc1.weight", ((p + "gate_proj.weight", (f, h)), (p + "up_proj.weight", (f, h))),
                      Layout.GATE_UP),
                 Pair(m + "linear_fc2.weight", ((p + "down_proj.weight", (h, f)),))]
-
-
-def full_attention_only(hf: Mapping[str, Any], where: Path) -> None:
-    """Refuse Qwen's sliding-window layers, which megatron-core's layers here do not compute."""
-    if hf.get("use_sliding_window") or any(kind != "full_attention" for kind in hf.get("layer_types") or []):
-        unsupported(where, "sliding-window layers (use_sliding_window / layer_types)")
 
 
 def across_heads_qk_norms(pairs: list[Pair], arch: Architecture, m: str, p: str) -> list[Pair]:

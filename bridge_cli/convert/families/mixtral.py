@@ -13,13 +13,12 @@ from bridge_cli.convert.families.moe import MoELike, moe_fixed
 class Mixtral(MoELike, Mistral):
     """Mixtral 8x7B and 8x22B: ``block_sparse_moe`` with experts ``w1`` (gate), ``w3`` (up), ``w2``
     (down) of FFN size ``intermediate_size``; softmax over the experts, top-k, renormalised
-    (megatron-core's softmax after the top-k). A sliding window caps model.seq_length, as for Mistral."""
+    (megatron-core's softmax after the top-k). A sliding window in every layer, as Mistral's."""
 
     model_type = "mixtral"
     architecture = "MixtralForCausalLM"
     models = "Mixtral 8x7B, 8x22B; every layer MoE, softmax routing renormalised over the top-k"
-    limits = ("refuses router_jitter_noise and RoPE scalings other than llama3 and yarn; model.seq_length is "
-              "capped at sliding_window")
+    limits = "refuses router_jitter_noise and RoPE scalings other than llama3 and yarn"
     sparse_block = "block_sparse_moe."
     expert_projections = ("w1", "w3", "w2")
     experts_key = "num_local_experts"

@@ -1,23 +1,30 @@
-"""``qwen2``: Llama's layout with biases on q, k and v."""
+"""``qwen2``: Llama's layout with biases on q, k and v, and sliding-window layers where config.json puts them."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Mapping
 
-from bridge_cli.convert.families.llama_like import LlamaLike, full_attention_only
+from bridge_cli.convert.families.llama_like import LlamaLike
+from bridge_cli.convert.families.windows import max_window_layers, qwen_layer_types, qwen_window_config
 
 
 class Qwen2(LlamaLike):
-    """Qwen2 and Qwen2.5 (dense)."""
+    """Qwen2 and Qwen2.5 (dense). With ``use_sliding_window``, the layers from ``max_window_layers`` on (or those
+    ``layer_types`` lists) see their ``sliding_window`` most recent keys."""
 
     model_type = "qwen2"
     architecture = "Qwen2ForCausalLM"
-    models = "Qwen2, Qwen2.5 (dense); biases on q/k/v"
-    limits = "refuses sliding-window layers and RoPE scalings other than llama3 and yarn"
-    fixed = {**LlamaLike.fixed, "add_qkv_bias": True}
+    models = "Qwen2, Qwen2.5 (dense); biases on q/k/v, sliding-window layers"
+    limits = "refuses RoPE scalings other than llama3 and yarn"
+    fixed = {**{key: value for key, value in LlamaLike.fixed.items() if key != "window_size"}, "add_qkv_bias": True}
+    windows = "per_layer"
 
     def check(self, hf, where) -> None:
-        full_attention_only(hf, where)
+        """Nothing to refuse: Qwen2's biases are fixed (no attention_bias/mlp_bias switches)."""
+
+    def layer_kinds(self, hf: Mapping[str, Any], count: int, where: Path) -> list[str]:
+        return qwen_layer_types(hf, count, where, lambda i: i >= max_window_layers(hf, where))
 
     def hf_extras(self, model: Mapping[str, Any]) -> dict[str, Any]:
-        return {"use_sliding_window": False, "max_window_layers": model["num_layers"]}
+        return qwen_window_config(model)

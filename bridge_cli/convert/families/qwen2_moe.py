@@ -10,6 +10,7 @@ from bridge_cli.convert import hf_config
 from bridge_cli.convert.families.moe import MoELike, gated_mlp, moe_fixed
 from bridge_cli.convert.families.qwen2 import Qwen2
 from bridge_cli.convert.families.qwen3_moe import qwen_moe_config, qwen_moe_layers
+from bridge_cli.convert.families.windows import max_window_layers, qwen_layer_types
 from bridge_cli.convert.hf_weights import Architecture, Pair
 
 
@@ -22,8 +23,7 @@ class Qwen2Moe(MoELike, Qwen2):
     model_type = "qwen2_moe"
     architecture = "Qwen2MoeForCausalLM"
     models = "Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B; Qwen2 attention, a gated shared expert in every MoE layer"
-    limits = ("refuses sliding-window layers, RoPE scalings other than llama3 and yarn, and norm_topk_prob with "
-              "top-1 routing")
+    limits = "refuses RoPE scalings other than llama3 and yarn, and norm_topk_prob with top-1 routing"
     all_layers_moe = False
     fixed = {key: value for key, value in moe_fixed(Qwen2.fixed, moe_shared_expert_gate=True).items()
              if key != "moe_shared_expert_intermediate_size"}  # config.json's shared_expert_intermediate_size
@@ -31,6 +31,10 @@ class Qwen2Moe(MoELike, Qwen2):
     def fields(self, hf: Mapping[str, Any], where: Path, seq_length=None) -> dict[str, Any]:
         size = hf_config.getter(hf, where)("shared_expert_intermediate_size")
         return {**super().fields(hf, where, seq_length), "moe_shared_expert_intermediate_size": size}
+
+    def layer_kinds(self, hf: Mapping[str, Any], count: int, where: Path) -> list[str]:
+        # every other layer from the first, below max_window_layers (Qwen2's are those from it on)
+        return qwen_layer_types(hf, count, where, lambda i: i % 2 == 0 and i < max_window_layers(hf, where))
 
     def moe_layers(self, hf: Mapping[str, Any], where: Path, num_layers: int) -> list[bool]:
         return qwen_moe_layers(hf, where, num_layers, "qwen2")

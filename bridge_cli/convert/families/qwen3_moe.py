@@ -7,6 +7,7 @@ from typing import Any, Mapping
 
 from bridge_cli.convert.families.moe import MoELike, moe_fixed
 from bridge_cli.convert.families.qwen3 import Qwen3
+from bridge_cli.convert.families.windows import every_layer, qwen_window_config
 from bridge_cli.convert.hf_config import unsupported
 from bridge_cli.convert.hf_weights import moe_layer_pattern
 
@@ -20,16 +21,21 @@ class Qwen3Moe(MoELike, Qwen3):
     model_type = "qwen3_moe"
     architecture = "Qwen3MoeForCausalLM"
     models = "Qwen3-MoE (30B-A3B, 235B-A22B); Qwen3 attention, dense layers where mlp_only_layers/decoder_sparse_step say"
-    limits = ("refuses attention_bias, sliding-window layers, RoPE scalings other than llama3 and yarn, and "
-              "norm_topk_prob with top-1 routing")
+    limits = "refuses attention_bias, RoPE scalings other than llama3 and yarn, and norm_topk_prob with top-1 routing"
     all_layers_moe = False
     fixed = moe_fixed(Qwen3.fixed)
+    windows = "every_layer"  # transformers' Qwen3-MoE windows every layer with use_sliding_window (no layer_types)
+
+    def layer_kinds(self, hf: Mapping[str, Any], count: int, where: Path) -> list[str]:
+        return every_layer({"sliding_window": hf.get("sliding_window") if hf.get("use_sliding_window") else None},
+                           count)
 
     def moe_layers(self, hf: Mapping[str, Any], where: Path, num_layers: int) -> list[bool]:
         return qwen_moe_layers(hf, where, num_layers, "qwen3")
 
     def hf_extras(self, model: Mapping[str, Any]) -> dict[str, Any]:
-        return {**super().hf_extras(model), **self.moe_config(model), **qwen_moe_config(model)}
+        return {"attention_bias": False, **qwen_window_config(model, per_layer=False), **self.moe_config(model),
+                **qwen_moe_config(model)}
 
 
 def qwen_moe_layers(hf: Mapping[str, Any], where: Path, num_layers: int, dense_family: str) -> list[bool]:

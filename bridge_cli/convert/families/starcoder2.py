@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from bridge_cli.convert.families.llama_like import LLAMA_STYLE, LlamaLike
+from bridge_cli.convert.families.windows import every_layer, window_config
 from bridge_cli.convert.hf_config import unsupported
 from bridge_cli.convert.hf_weights import Architecture, Pair
 
@@ -16,16 +17,17 @@ class Starcoder2(LlamaLike):
     Each linear has a bias (megatron-core's ``add_bias_linear``, and ``add_qkv_bias`` for q/k/v); the norms
     are LayerNorms with a bias; ``c_fc``/``c_proj`` are megatron-core's ``linear_fc1``/``linear_fc2`` of an
     ungated MLP; its ``gelu_pytorch_tanh`` is megatron-core's ``fast_gelu``, which runs unfused (megatron-core
-    fuses a bias only into ``gelu``). A sliding window caps model.seq_length, as for Mistral.
+    fuses a bias only into ``gelu``). A sliding window in every layer, as Mistral's.
     """
 
     model_type = "starcoder2"
     architecture = "Starcoder2ForCausalLM"
     models = "StarCoder2 3B, 7B, 15B; LayerNorm, tanh GELU, biases on every linear"
-    limits = ("refuses use_bias=false, activations other than gelu_pytorch_tanh and RoPE scalings other than "
-              "llama3 and yarn; model.seq_length is capped at sliding_window")
-    fixed = {**LLAMA_STYLE, "normalization": "LayerNorm", "activation_func": "fast_gelu", "gated_linear_unit": False,
-             "add_bias_linear": True, "add_qkv_bias": True}
+    limits = ("refuses use_bias=false, activations other than gelu_pytorch_tanh and RoPE scalings other than llama3 "
+              "and yarn")
+    fixed = {**{key: value for key, value in LLAMA_STYLE.items() if key != "window_size"}, "normalization": "LayerNorm",
+             "activation_func": "fast_gelu", "gated_linear_unit": False, "add_bias_linear": True, "add_qkv_bias": True}
+    windows = "every_layer"
     norm_bias = True
     epsilon_key = "norm_epsilon"
 
@@ -42,16 +44,16 @@ class Starcoder2(LlamaLike):
             unsupported(where, "use_bias false: megatron-core puts the biases of q/k/v and of the other linears "
                         "under separate switches, and this family fixes both on")
 
-    def window(self, hf: Mapping[str, Any]) -> Optional[int]:
-        return hf.get("sliding_window")
+    def layer_kinds(self, hf: Mapping[str, Any], count: int, where: Path) -> list[str]:
+        return every_layer(hf, count)
 
     def hf_config(self, model: Mapping[str, Any]) -> dict[str, Any]:
         config = super().hf_config(model)
         del config["rms_norm_eps"]
         return {**config, "hidden_act": "gelu_pytorch_tanh", "norm_epsilon": model["layernorm_epsilon"], "use_bias": True,
-                # megatron-core attends over the whole sequence; token ids belong to the tokenizer (transformers'
-                # defaults, 50256, would not fit a smaller vocabulary)
-                "sliding_window": None, "residual_dropout": 0.0, "embedding_dropout": 0.0,
+                # token ids belong to the tokenizer (transformers' defaults, 50256, would not fit a small vocabulary)
+                "sliding_window": window_config(model)["sliding_window"], "residual_dropout": 0.0,
+                "embedding_dropout": 0.0,
                 "bos_token_id": None, "eos_token_id": None}
 
     def hf_extras(self, model: Mapping[str, Any]) -> dict[str, Any]:
