@@ -123,7 +123,8 @@ def test_a_planted_pickle_stops_every_command_before_it_runs(saved, plant, tmp_p
         file, item = PLANTS[plant](ckpt, marker)
 
         result = bridge(*args, timeout=300)
-        assert result.returncode == 2, f"{name}: exit {result.returncode}\n{result.stdout[-1500:]}\n{result.stderr[-3000:]}"
+        assert result.returncode == 2, \
+            f"{name}: exit {result.returncode}\n{result.stdout[-1500:]}\n{result.stderr[-3000:]}"
         assert not marker.exists(), f"{name}: the planted command ran"
         assert f"error: {file}{item}: refused to unpickle posix.system, which no checkpoint holds" in result.stderr, \
             f"{name}: {result.stderr[-2000:]}"
