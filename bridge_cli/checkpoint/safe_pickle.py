@@ -126,16 +126,19 @@ def check_objects(path: Path, metadata) -> None:
     if trusted():
         return
     path = Path(path)
-    for index, info in sorted(metadata.storage_data.items(), key=lambda item: (item[1].relative_path, item[1].offset)):
-        if not isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
-            continue
-        where = f"{path / info.relative_path} (its item {index.fqn})"
-        if getattr(info, "transform_descriptors", None):
-            raise CheckpointError(f"{where} is stored through {', '.join(info.transform_descriptors)}, which bridge "
-                                  f"cannot check for planted code. {_TRUST_HINT}")
-        with open(path / info.relative_path, "rb") as f:
-            # the slice torch's reader hands to torch.load, through the same view
-            _check_torch_file(_create_file_view(f, info.offset, info.length), where, _EXTRA_STATE in index.fqn)
+    items: dict[str, list] = {}
+    for index, info in metadata.storage_data.items():
+        if isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
+            items.setdefault(info.relative_path, []).append((info.offset, index.fqn, info))
+    for relative_path, in_file in sorted(items.items()):
+        with open(path / relative_path, "rb") as f:
+            for _, key, info in sorted(in_file, key=lambda item: item[:2]):
+                where = f"{path / relative_path} (its item {key})"
+                if getattr(info, "transform_descriptors", None):
+                    raise CheckpointError(f"{where} is stored through {', '.join(info.transform_descriptors)}, which "
+                                          f"bridge cannot check for planted code. {_TRUST_HINT}")
+                # the slice torch's reader hands to torch.load, through the same view
+                _check_torch_file(_create_file_view(f, info.offset, info.length), where, _EXTRA_STATE in key)
     for file in sorted(path.rglob("*.pt")):
         with open(file, "rb") as f:
             _check_torch_file(f, str(file))
