@@ -192,9 +192,17 @@ def _latin1_encode(text: str, encoding: str = "utf-8", errors: str = "strict") -
 def _load_storage(data: bytes):
     """``torch.storage._load_from_bytes``, which a pickled tensor calls on its storage (a torch.save archive)
     and which would read it with ``weights_only=False``: read through the allow-list instead."""
+    return _torch_load(io.BytesIO(data))
+
+
+def _torch_load(f: BinaryIO) -> Any:
+    """torch.load of ``f`` with the allow-list, tensor data included; a TorchScript archive, which torch.load
+    would hand to torch.jit.load, is refused."""
     import torch
 
-    return torch.load(io.BytesIO(data), weights_only=False, pickle_module=_PickleModule)
+    _open_archive(f)
+    # weights_only=False lets torch take pickle_module: its reader, our allow-list
+    return torch.load(f, map_location="cpu", weights_only=False, pickle_module=_PickleModule)
 
 
 class _PickleModule:
@@ -215,12 +223,8 @@ def _check_torch_file(f: BinaryIO, where: str, extra_state: bool = False, read=N
     import torch
 
     read = read or _reading
-    if extra_state:  # small, and the tensors' bytes are the point
-        # weights_only=False lets torch take pickle_module: its reader, our allow-list
-        loaded = read(where, lambda: torch.load(f, map_location="cpu", weights_only=False,
-                                                pickle_module=_PickleModule))
-    else:
-        loaded = read(where, lambda: _unpickle_archive(f))
+    # an extra state is small, and its tensors' bytes are the point
+    loaded = read(where, lambda: _torch_load(f) if extra_state else _unpickle_archive(f))
     for buffer in _leaves(loaded, io.BytesIO):
         if buffer.getbuffer().nbytes:
             _check_torch_file(io.BytesIO(buffer.getvalue()), f"{where}, a BytesIO in it", extra_state, _nested)
@@ -233,15 +237,28 @@ def _check_torch_file(f: BinaryIO, where: str, extra_state: bool = False, read=N
 def _unpickle_archive(f: BinaryIO) -> Any:
     """The object of torch.save file ``f`` with its tensors on the meta device: the pickle torch.load would run,
     through the allow-list, and no tensor data read (a distributed optimizer's state item holds gigabytes)."""
-    import torch
-    from torch.serialization import _is_zipfile
-
-    if not _is_zipfile(f):  # torch's legacy format (before 1.6): pickles all through
-        return torch.load(f, map_location="cpu", weights_only=False, pickle_module=_PickleModule)
-    archive = torch._C.PyTorchFileReader(f)  # torch's own zip reader finds the pickle torch.load would
+    archive = _open_archive(f)
+    if archive is None:  # torch's legacy format (before 1.6): pickles all through
+        return _torch_load(f)
     unpickler = _AllowList(io.BytesIO(archive.get_record("data.pkl")))
     unpickler.persistent_load = _meta_storage
     return unpickler.load()
+
+
+def _open_archive(f: BinaryIO):
+    """torch's own reader of torch.save's zip format (it finds the pickle torch.load would), or None for another
+    format; a TorchScript archive, which torch.load would hand to torch.jit.load, is refused."""
+    import torch
+    from torch.serialization import _is_zipfile
+
+    if not _is_zipfile(f):
+        return None
+    start = f.tell()
+    archive = torch._C.PyTorchFileReader(f)
+    if "constants.pkl" in archive.get_all_records():  # how torch.load tells TorchScript
+        raise _Refused("torch.jit", "load (the file is a TorchScript archive)")
+    f.seek(start)
+    return archive
 
 
 def _meta_storage(saved_id: tuple) -> Any:

@@ -136,6 +136,20 @@ def test_planted_metadata_and_common_pt_are_refused(tmp_path, planted):
     assert not marker.exists()
 
 
+class Scripted(torch.nn.Module):
+    def forward(self, x):
+        return x + 1
+
+
+def test_a_torchscript_archive_is_refused(tmp_path):
+    """torch.load(weights_only=False), as torch's reader loads a shard item, hands TorchScript to torch.jit.load."""
+    ckpt = write(tmp_path / "ckpt", {})
+    torch.jit.save(torch.jit.script(Scripted()), ckpt / "common.pt")
+    with pytest.raises(CheckpointError, match=f"^{ckpt / 'common.pt'}: refused to unpickle torch.jit.load "
+                                              r"\(the file is a TorchScript archive\)"):
+        verify.check_files(ckpt)
+
+
 def test_bytes_decode_only_as_latin1(tmp_path):
     """Pickle protocol 2 writes bytes as _codecs.encode(text, 'latin1'); a codec is looked up by name, so no other."""
     ckpt = write(tmp_path / "ckpt", {})
