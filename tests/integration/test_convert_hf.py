@@ -536,6 +536,10 @@ def test_import_errors_name_the_problem_and_leave_no_output(cli, broken, tmp_pat
     ("gpt2", dict(activation_function="relu"), ["activation_function 'relu'", "gelu_new or gelu_pytorch_tanh"]),
     ("gpt2", dict(tie_word_embeddings=False), ["tie_word_embeddings false"]),
     ("seed_oss", dict(attention_out_bias=True), ["attention_out_bias/mlp_bias: megatron-core puts the o_proj"]),
+    # a field of the config class whose value the family assumes (its tables), without a check of its own
+    ("qwen2_moe", dict(qkv_bias=False), ["config.json: qkv_bias False: bridge converts a qwen2_moe model with qkv_bias "
+                                         "True"]),
+    ("mixtral", dict(sliding_window=0), ["sliding_window 0 with sliding-window layers: a positive integer"]),
 ])
 def test_import_refuses_what_megatron_core_cannot_compute(cli, hf_dirs, tmp_path, name, changes, fragments):
     folder = tmp_path / "hf"

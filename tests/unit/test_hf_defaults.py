@@ -1,11 +1,13 @@
-"""What config.json means by a key it lacks (bridge_cli/convert/families/hf_defaults.py): each family's table is its
-transformers config class's defaults, and a family reads an absent key as transformers does. Logits of folders
+"""Every field of a family's transformers config class is accounted for: mapped onto the model, assumed (another
+value refused) or inert (the logits do not depend on it), in the family's tables (mapped_keys, assumed, inert_keys);
+and a key config.json lacks means its class's default (bridge_cli/convert/families/hf_defaults.py). Logits of folders
 whose config.json leaves keys out: test_convert_hf.py's test_a_key_config_json_leaves_out_means_transformers_default.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from pathlib import Path
 
 import pytest
@@ -43,6 +45,34 @@ def test_each_family_reads_an_absent_key_at_its_transformers_default(model_type)
     assert (theta, partial) == (cls.default_theta, rope.get("partial_rotary_factor"))
     assert {key: value for key, value in rope.items() if key not in ("rope_theta", "partial_rotary_factor")} == (
         scaling or {"rope_type": "default"})
+
+
+@pytest.mark.parametrize("model_type", list(FAMILIES))
+def test_every_field_of_the_config_class_is_mapped_assumed_or_inert(model_type):
+    family = FAMILIES[model_type]
+    tables = {"mapped_keys": set(family.mapped_keys), "assumed": set(family.assumed),
+              "inert_keys": set(family.inert_keys)}
+    for (one, keys), (other, more) in itertools.combinations(tables.items(), 2):
+        assert not keys & more, f"{model_type}: {keys & more} in both {one} and {other}"
+    defaults = class_defaults(config_class(model_type))
+    unaccounted = [key for key in defaults if not any(key in keys for keys in tables.values())]
+    assert unaccounted == [], f"{model_type}: fields of its config class in none of its tables"
+    for key, value in family.assumed.items():  # a config.json without the key must not be refused
+        if key in defaults:
+            assert (bool(defaults[key]) == value) if isinstance(value, bool) else defaults[key] == value, key
+
+
+@pytest.mark.parametrize("model_type, change", [
+    ("qwen2_moe", {"qkv_bias": False}), ("qwen3", {"attention_bias": True}), ("starcoder2", {"use_bias": False}),
+    ("gpt_oss", {"swiglu_alpha": 1.0}), ("mixtral", {"router_jitter_noise": 0.1}), ("olmoe", {"clip_qkv": 8.0}),
+    ("gemma", {"use_bidirectional_attention": True}), ("stablelm", {"use_parallel_residual": True}),
+    ("seed_oss", {"attention_out_bias": True}), ("gpt2", {"add_cross_attention": True}),
+])
+def test_an_assumed_field_with_another_value_is_refused_naming_it_and_the_file(model_type, change):
+    config = {"model_type": model_type, **SHAPE, "num_local_experts": 4, "num_experts": 4, "head_dim": 16, **change}
+    with pytest.raises(CheckpointError, match="bridge cannot convert this model") as error:
+        FAMILIES[model_type].model_fields(config, WHERE)
+    assert str(error.value).startswith(f"{WHERE}: ") and next(iter(change)) in str(error.value)
 
 
 @pytest.mark.parametrize("model_type, config, field, expected", [

@@ -22,6 +22,7 @@ class Gemma(LlamaLike):
     architecture = "GemmaForCausalLM"
     models = "Gemma 2B, 7B, CodeGemma; 1 + w RMSNorms, scaled embeddings, tanh-GELU gated MLP"
     limits = "refuses attention_bias, bidirectional attention and RoPE scalings other than llama3 and yarn"
+    assumed = {"attention_bias": False, "use_bidirectional_attention": False}
     fixed = {**LlamaLike.fixed, "activation_func": "fast_gelu", "layernorm_zero_centered_gamma": True,
              "scale_embeddings": True}
 

@@ -49,6 +49,9 @@ class Gemma3(LlamaLike):
     models = ("Gemma 3 text (Gemma3ForCausalLM); sliding-window and global layers with their own RoPE bases, "
               "1 + w RMSNorms, post-attention/feedforward norms, scaled embeddings")
     limits = "refuses bidirectional attention, attention_bias and RoPE scalings but linear (global layers)"
+    mapped_keys = (*(key for key in LlamaLike.mapped_keys if key != "hidden_act"), "hidden_activation",
+                   "query_pre_attn_scalar", "sliding_window", "layer_types", *SOFT_CAPS)
+    assumed = {"attention_bias": False, "use_bidirectional_attention": False}
     fixed = {**{key: value for key, value in LLAMA_STYLE.items()
                 if key not in ("seq_len_interpolation_factor", "local_rotary_base", "softmax_scale", "window_size",
                                "attn_logit_softcapping", "final_logit_softcapping")},

@@ -22,6 +22,9 @@ class Glm4(Phi3):
     models = "GLM-4-0414 (9B, 32B), GLM-Z1; sandwich norms, q/k/v biases, interleaved partial RoPE"
     limits = "refuses attention_bias=false and RoPE scalings other than llama3"
     rope_hint = ""
+    mapped_keys = LlamaLike.mapped_keys
+    assumed = {"attention_bias": True}
+    inert_keys = LlamaLike.inert_keys
     fixed = {**Phi3.fixed, "add_qkv_bias": True, "post_sublayer_norm": True, "rotary_interleaved": True,
              "window_size": None}
     windows = None

@@ -7,7 +7,7 @@ from typing import Any, Mapping, Optional
 
 from bridge_cli.config.errors import ConfigError
 from bridge_cli.convert import hf_config
-from bridge_cli.convert.families.llama_like import LLAMA_STYLE, LlamaLike
+from bridge_cli.convert.families.llama_like import INERT_KEYS, LLAMA_STYLE, LlamaLike
 from bridge_cli.convert.hf_config import unsupported
 from bridge_cli.convert.hf_weights import Architecture, Layout, Pair
 
@@ -35,6 +35,13 @@ class Gpt2(LlamaLike):
     limits = ("refuses scale_attn_by_inverse_layer_idx, reorder_and_upcast_attn, scale_attn_weights=false, "
               "activations other than gelu_new/gelu_pytorch_tanh, untied lm_head and cross-attention; "
               "model.seq_length is n_positions")
+    mapped_keys = ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "n_inner", "activation_function",
+                   "attn_pdrop", "layer_norm_epsilon", "initializer_range")
+    assumed = {"scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
+               "add_cross_attention": False, "tie_word_embeddings": True}
+    # dropout in training, and the summary_* of the sequence-classification head, which GPT2LMHeadModel has not
+    inert_keys = (*INERT_KEYS, "resid_pdrop", "embd_pdrop", "summary_type", "summary_use_proj", "summary_activation",
+                  "summary_proj_to_labels", "summary_first_dropout")
     fixed = {**{key: value for key, value in LLAMA_STYLE.items() if key not in ROPE_ONLY},
              "position_embedding_type": "learned_absolute", "normalization": "LayerNorm",
              "activation_func": "fast_gelu", "gated_linear_unit": False, "add_bias_linear": True,

@@ -31,7 +31,7 @@ from typing import Any, Mapping, Optional
 
 from bridge_cli.convert import hf_config, yarn
 from bridge_cli.convert.families.llama_like import LLAMA_STYLE, LlamaLike
-from bridge_cli.convert.families.moe import MoELike, moe_fixed
+from bridge_cli.convert.families.moe import MOE_INERT_KEYS, MOE_KEYS, MoELike, moe_fixed
 from bridge_cli.convert.families.windows import layer_types, window_config
 from bridge_cli.convert.hf_config import unsupported
 from bridge_cli.convert.hf_weights import Architecture, Layout, Pair
@@ -57,6 +57,11 @@ class GptOss(MoELike, LlamaLike):
               "SequentialMLP at expert TP 1, so training under TP > 1 needs EP > 1")
     experts_key = "num_local_experts"
     windows = "per_layer"
+    # hidden_act is unused: the experts compute their clamped SwiGLU whatever it says
+    mapped_keys = (*(key for key in LlamaLike.mapped_keys if key != "hidden_act"), "num_local_experts",
+                   "sliding_window", "layer_types", "swiglu_limit", *MOE_KEYS)
+    assumed = {"attention_bias": True, "swiglu_alpha": SWIGLU_ALPHA}
+    inert_keys = (*LlamaLike.inert_keys, *MOE_INERT_KEYS, "hidden_act")
     fixed = moe_fixed(DENSE, moe_router_pre_softmax=False)
 
     # config.json -> model fields

@@ -7,3 +7,5 @@ from bridge_cli.convert.families.llama_like import LlamaLike
 
 class Llama(LlamaLike):
     """Exactly :class:`LlamaLike`: RMSNorm, SwiGLU, RoPE (optionally Llama 3.1's scaling), GQA, no biases."""
+
+    inert_keys = (*LlamaLike.inert_keys, "pretraining_tp")  # transformers 5's Llama ignores it

@@ -28,6 +28,12 @@ LLAMA_STYLE = {
     "attn_logit_softcapping": None, "final_logit_softcapping": None,
 }
 """The model fields every family here fixes (the shapes aside), unless it overrides one."""
+LLAMA_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "head_dim", "max_position_embeddings", "hidden_act", "rms_norm_eps",
+              "tie_word_embeddings", "rope_parameters", "attention_dropout", "initializer_range")
+"""The config.json keys the Llama layout reads into the model's fields."""
+INERT_KEYS = ("use_cache", "pad_token_id", "bos_token_id", "eos_token_id")
+"""config.json keys that leave the logits alone: generation settings and the tokenizer's ids."""
 _YARN_FOR_ROPE = ("position_embedding_type", "rope", "yarn")
 """(field, fixed value, model's value) that differences() accepts: a family of plain RoPE takes YaRN's too."""
 
@@ -63,6 +69,13 @@ class LlamaLike:
     """Its name of the norm after the last layer."""
     epsilon_key = "rms_norm_eps"
     """config.json's key of the norms' epsilon."""
+    mapped_keys: tuple[str, ...] = LLAMA_KEYS
+    """The config.json keys (fields of transformers' config class) that become the model's fields."""
+    assumed: Mapping[str, Any] = {"attention_bias": False, "mlp_bias": False}
+    """config.json keys whose value the converted model assumes (a bool: its truth); another is refused."""
+    inert_keys: tuple[str, ...] = INERT_KEYS
+    """config.json keys that do not change what the model computes (generation, token ids, dropout in training,
+    which is the recipe's model.hidden_dropout)."""
     windows: Optional[str] = None
     """Where the family's sliding window may be: None (nowhere; ``window_size`` is a fixed field), "every_layer"
     (in every layer or none, Mistral's) or "per_layer" (:meth:`layer_kinds` says)."""
@@ -77,7 +90,10 @@ class LlamaLike:
         DEFAULT_MAX_SEQ_LENGTH). Raises CheckpointError for what
         megatron-core cannot build exactly.
         """
-        return self.fields(self.completed(hf), where, seq_length)
+        hf = self.completed(hf)
+        fields = self.fields(hf, where, seq_length)
+        self.check_assumed(hf, where)  # after the family's own checks, whose refusals say more
+        return fields
 
     def completed(self, hf: Mapping[str, Any]) -> dict[str, Any]:
         """config.json ``hf`` with transformers' default for each key it lacks, and its RoPE settings in
@@ -163,6 +179,13 @@ class LlamaLike:
         """Refuse config.json settings this family's megatron-core model cannot express."""
         if hf.get("attention_bias") or hf.get("mlp_bias"):
             unsupported(where, "attention_bias/mlp_bias: megatron-core's Llama has no biases on o_proj and the MLP")
+
+    def check_assumed(self, hf: Mapping[str, Any], where: Path) -> None:
+        """Refuse a config.json value other than the one the converted model assumes (:attr:`assumed`)."""
+        for key, value in self.assumed.items():
+            given = hf.get(key, value)
+            if (bool(given) != value) if isinstance(value, bool) else given != value:
+                unsupported(where, f"{key} {given!r}: bridge converts a {self.model_type} model with {key} {value!r}")
 
     def layer_kinds(self, hf: Mapping[str, Any], count: int, where: Path) -> list[str]:
         """Each of the ``count`` layers' attention, as transformers' model of the family reads config.json:

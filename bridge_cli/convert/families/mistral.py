@@ -20,6 +20,7 @@ class Mistral(LlamaLike):
     architecture = "MistralForCausalLM"
     models = "Mistral 7B v0.1-v0.3; sliding window in every layer"
     limits = "refuses RoPE scalings other than llama3 and yarn"
+    mapped_keys = (*LlamaLike.mapped_keys, "sliding_window")
     fixed = {key: value for key, value in LlamaLike.fixed.items() if key != "window_size"}
     windows = "every_layer"
 

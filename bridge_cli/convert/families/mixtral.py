@@ -7,7 +7,7 @@ from typing import Any, Mapping
 
 from bridge_cli.convert import hf_config
 from bridge_cli.convert.families.mistral import Mistral
-from bridge_cli.convert.families.moe import MoELike, moe_fixed
+from bridge_cli.convert.families.moe import MOE_INERT_KEYS, MOE_KEYS, MoELike, moe_fixed
 
 
 class Mixtral(MoELike, Mistral):
@@ -22,6 +22,9 @@ class Mixtral(MoELike, Mistral):
     sparse_block = "block_sparse_moe."
     expert_projections = ("w1", "w3", "w2")
     experts_key = "num_local_experts"
+    mapped_keys = (*Mistral.mapped_keys, "num_local_experts", *MOE_KEYS)
+    assumed = {**Mistral.assumed, "router_jitter_noise": 0.0}
+    inert_keys = (*Mistral.inert_keys, *MOE_INERT_KEYS)
     fixed = moe_fixed(Mistral.fixed, moe_router_pre_softmax=False)
 
     def expert_ffn_size(self, hf: Mapping[str, Any], where: Path) -> int:

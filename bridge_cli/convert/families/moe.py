@@ -32,6 +32,11 @@ MOE_FIXED = {
 }
 """The MoE fields every family here fixes, unless it overrides one."""
 
+MOE_KEYS = ("num_experts_per_tok", "router_aux_loss_coef")
+"""The config.json keys of routing every MoE family reads (besides its own names of the experts' count and sizes)."""
+MOE_INERT_KEYS = ("output_router_logits",)
+"""An MoE config.json key that leaves the logits alone (it adds the router's logits to the output)."""
+
 EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts")
 """config.json's names of the number of routed experts, which transformers treats as one."""
 

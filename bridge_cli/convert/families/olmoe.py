@@ -8,7 +8,7 @@ from typing import Any, Mapping
 
 from bridge_cli.convert import hf_config
 from bridge_cli.convert.families.llama_like import LlamaLike, across_heads_qk_norms
-from bridge_cli.convert.families.moe import MoELike, moe_fixed
+from bridge_cli.convert.families.moe import MOE_INERT_KEYS, MOE_KEYS, MoELike, moe_fixed
 from bridge_cli.convert.hf_config import unsupported
 from bridge_cli.convert.hf_weights import Architecture, Pair
 
@@ -24,6 +24,9 @@ class Olmoe(MoELike, LlamaLike):
     models = "OLMoE-1B-7B (0924, 0125); q/k RMSNorm over the whole projection, every layer MoE"
     limits = ("refuses clip_qkv, attention_bias, RoPE scalings other than llama3 and yarn, and norm_topk_prob with "
               "top-1 routing; tensor parallelism needs num_key_value_heads to be a multiple of the TP size")
+    mapped_keys = (*LlamaLike.mapped_keys, "num_experts", "norm_topk_prob", *MOE_KEYS)
+    assumed = {**LlamaLike.assumed, "clip_qkv": None}
+    inert_keys = (*LlamaLike.inert_keys, *MOE_INERT_KEYS)
     fixed = moe_fixed(LlamaLike.fixed, qk_layernorm=True, qk_layernorm_across_heads=True)
 
     def check(self, hf: Mapping[str, Any], where: Path) -> None:

@@ -26,6 +26,8 @@ class Phi3(LlamaLike):
     limits = "refuses LongRoPE (the 128k models) and other RoPE scalings but llama3 and yarn (on whole heads)"
     rope_hint = ("LongRoPE (Phi-3 128k: per-dimension short/long factors switched by length) has no "
                  "megatron-core counterpart. ")
+    mapped_keys = (*LlamaLike.mapped_keys, "sliding_window", "original_max_position_embeddings")
+    inert_keys = (*LlamaLike.inert_keys, "resid_pdrop", "embd_pdrop")
     fixed = {key: value for key, value in LlamaLike.fixed.items() if key not in ("rotary_percent", "window_size")}
     windows = "every_layer"
 

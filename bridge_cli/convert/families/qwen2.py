@@ -6,7 +6,8 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from bridge_cli.convert.families.llama_like import LlamaLike
-from bridge_cli.convert.families.windows import max_window_layers, qwen_layer_types, qwen_window_config
+from bridge_cli.convert.families.windows import (QWEN_WINDOW_KEYS, max_window_layers, qwen_layer_types,
+                                                 qwen_window_config)
 
 
 class Qwen2(LlamaLike):
@@ -17,6 +18,8 @@ class Qwen2(LlamaLike):
     architecture = "Qwen2ForCausalLM"
     models = "Qwen2, Qwen2.5 (dense); biases on q/k/v, sliding-window layers"
     limits = "refuses RoPE scalings other than llama3 and yarn"
+    mapped_keys = (*LlamaLike.mapped_keys, *QWEN_WINDOW_KEYS)
+    assumed: dict = {}  # Qwen2's q/k/v biases are fixed (no attention_bias/mlp_bias switches)
     fixed = {**{key: value for key, value in LlamaLike.fixed.items() if key != "window_size"}, "add_qkv_bias": True}
     windows = "per_layer"
 

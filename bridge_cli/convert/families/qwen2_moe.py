@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from bridge_cli.convert import hf_config
-from bridge_cli.convert.families.moe import MoELike, gated_mlp, moe_fixed
+from bridge_cli.convert.families.moe import MOE_INERT_KEYS, MOE_KEYS, MoELike, gated_mlp, moe_fixed
 from bridge_cli.convert.families.qwen2 import Qwen2
 from bridge_cli.convert.families.qwen3_moe import qwen_moe_config, qwen_moe_layers
 from bridge_cli.convert.families.windows import max_window_layers, qwen_layer_types
@@ -25,6 +25,10 @@ class Qwen2Moe(MoELike, Qwen2):
     models = "Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B; Qwen2 attention, a gated shared expert in every MoE layer"
     limits = "refuses RoPE scalings other than llama3 and yarn, and norm_topk_prob with top-1 routing"
     all_layers_moe = False
+    mapped_keys = (*Qwen2.mapped_keys, "num_experts", "moe_intermediate_size", "shared_expert_intermediate_size",
+                   "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers", *MOE_KEYS)
+    assumed = {"qkv_bias": True}
+    inert_keys = (*Qwen2.inert_keys, *MOE_INERT_KEYS)
     fixed = {key: value for key, value in moe_fixed(Qwen2.fixed, moe_shared_expert_gate=True).items()
              if key != "moe_shared_expert_intermediate_size"}  # config.json's shared_expert_intermediate_size
 

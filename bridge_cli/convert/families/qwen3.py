@@ -19,6 +19,8 @@ class Qwen3(LlamaLike):
     architecture = "Qwen3ForCausalLM"
     models = "Qwen3 (dense, 0.6B-32B); per-head q/k RMSNorm, explicit head_dim, sliding-window layers"
     limits = "refuses attention_bias and RoPE scalings other than llama3 and yarn"
+    mapped_keys = Qwen2.mapped_keys
+    assumed = {"attention_bias": False}
     fixed = {**{key: value for key, value in LlamaLike.fixed.items() if key != "window_size"}, "qk_layernorm": True}
     windows = "per_layer"
     layer_kinds = Qwen2.layer_kinds

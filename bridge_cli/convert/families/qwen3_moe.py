@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping
 
-from bridge_cli.convert.families.moe import MoELike, moe_fixed
+from bridge_cli.convert.families.moe import MOE_INERT_KEYS, MOE_KEYS, MoELike, moe_fixed
 from bridge_cli.convert.families.qwen3 import Qwen3
 from bridge_cli.convert.families.windows import every_layer, qwen_window_config
 from bridge_cli.convert.hf_config import unsupported
@@ -23,6 +23,9 @@ class Qwen3Moe(MoELike, Qwen3):
     models = "Qwen3-MoE (30B-A3B, 235B-A22B); Qwen3 attention, dense layers where mlp_only_layers/decoder_sparse_step say"
     limits = "refuses attention_bias, RoPE scalings other than llama3 and yarn, and norm_topk_prob with top-1 routing"
     all_layers_moe = False
+    mapped_keys = (*Qwen3.mapped_keys, "num_experts", "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
+                   "mlp_only_layers", *MOE_KEYS)
+    inert_keys = (*Qwen3.inert_keys, *MOE_INERT_KEYS)
     fixed = moe_fixed(Qwen3.fixed)
     windows = "every_layer"  # transformers' Qwen3-MoE windows every layer with use_sliding_window (no layer_types)
 

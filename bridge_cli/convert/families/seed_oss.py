@@ -19,6 +19,8 @@ class SeedOss(LlamaLike):
     architecture = "SeedOssForCausalLM"
     models = "Seed-OSS-36B; biases on q/k/v, explicit head_dim"
     limits = "refuses attention_bias=false, attention_out_bias, mlp_bias and RoPE scalings other than llama3 and yarn"
+    assumed = {"attention_bias": True, "attention_out_bias": False, "mlp_bias": False}
+    inert_keys = (*LlamaLike.inert_keys, "residual_dropout", "pretraining_tp")  # transformers 5 ignores the latter
     fixed = {**LlamaLike.fixed, "add_qkv_bias": True}
 
     def check(self, hf: Mapping[str, Any], where: Path) -> None:

@@ -22,6 +22,9 @@ class StableLm(LlamaLike):
     models = "StableLM 2 1.6B/12B, StableLM-3B-4E1T; LayerNorm, partial RoPE, optional q/k/v biases"
     limits = ("refuses per-head q/k LayerNorms (qk_layernorm: one norm per head, megatron-core shares one), "
               "use_parallel_residual and RoPE scalings other than llama3 and yarn (yarn on whole heads only)")
+    mapped_keys = (*(key for key in LlamaLike.mapped_keys if key != "rms_norm_eps"), "layer_norm_eps", "use_qkv_bias")
+    assumed = {"qk_layernorm": False, "use_parallel_residual": False}
+    inert_keys = (*LlamaLike.inert_keys, "hidden_dropout")
     fixed = {**{key: value for key, value in LlamaLike.fixed.items() if key not in ("rotary_percent", "add_qkv_bias")},
              "normalization": "LayerNorm"}
     norm_bias = True

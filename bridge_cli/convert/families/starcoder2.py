@@ -25,6 +25,10 @@ class Starcoder2(LlamaLike):
     models = "StarCoder2 3B, 7B, 15B; LayerNorm, tanh GELU, biases on every linear"
     limits = ("refuses use_bias=false, activations other than gelu_pytorch_tanh and RoPE scalings other than llama3 "
               "and yarn")
+    mapped_keys = (*(key for key in LlamaLike.mapped_keys if key != "rms_norm_eps"), "norm_epsilon",
+                   "sliding_window")
+    assumed = {"use_bias": True}
+    inert_keys = (*LlamaLike.inert_keys, "residual_dropout", "embedding_dropout")
     fixed = {**{key: value for key, value in LLAMA_STYLE.items() if key != "window_size"}, "normalization": "LayerNorm",
              "activation_func": "fast_gelu", "gated_linear_unit": False, "add_bias_linear": True, "add_qkv_bias": True}
     windows = "every_layer"

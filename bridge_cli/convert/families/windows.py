@@ -15,6 +15,8 @@ from typing import Any, Callable, Mapping
 from bridge_cli.convert.hf_config import unsupported
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
+QWEN_WINDOW_KEYS = ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types")
+"""The config.json keys that place a Qwen model's sliding-window layers."""
 
 
 def layer_types(hf: Mapping[str, Any], count: int, where: Path, pattern: int) -> list[str]:
