@@ -89,7 +89,7 @@ def mistral(args) -> dict:
     path = layout.require_checkpoint(args.ckpt).path
     values = mcore_io.saved_model_values(path)
     results = {"window": window}
-    for name, overrides in {"windowed": {"window_size": [window - 1, 0]}, "full": {}}.items():
+    for name, overrides in {"windowed": {"window_size": [window - 1, 0]}, "full": {"window_size": None}}.items():
         config = mcore_io.model_config(values, seq_length=args.seq, **overrides)
         model = mcore_io.build_model(config)
         mcore_io.load_weights(model, config, path)
