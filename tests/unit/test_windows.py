@@ -33,6 +33,7 @@ def windows(model_type: str, **config) -> tuple:
     ("qwen2", {"sliding_window": 16}, (None, None, 128)),  # without use_sliding_window transformers drops it
     ("qwen2", {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1}, ([15, 0], [0, 1, 1, 1], 128)),
     ("qwen3", {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 3}, ([15, 0], [0, 0, 0, 1], 128)),
+    ("qwen3", {"use_sliding_window": True, "sliding_window": None, "max_window_layers": 1}, (None, None, 128)),
     ("qwen2", {"use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1,  # layer_types come first
                "layer_types": ["sliding_attention", "full_attention"] * 2}, ([15, 0], [1, 0, 1, 0], 128)),
     # Qwen2-MoE windows the even layers below max_window_layers

@@ -27,7 +27,9 @@ class Qwen2(LlamaLike):
         """Nothing to refuse: Qwen2's biases are fixed (no attention_bias/mlp_bias switches)."""
 
     def layer_kinds(self, hf: Mapping[str, Any], count: int, where: Path) -> list[str]:
-        return qwen_layer_types(hf, count, where, lambda i: i >= max_window_layers(hf, where))
+        # transformers 5.24 windows none of them where sliding_window is null
+        return qwen_layer_types(hf, count, where,
+                                lambda i: hf.get("sliding_window") is not None and i >= max_window_layers(hf, where))
 
     def hf_extras(self, model: Mapping[str, Any]) -> dict[str, Any]:
         return qwen_window_config(model)
