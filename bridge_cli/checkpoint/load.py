@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from bridge_cli.checkpoint import layout, state_dict, verify
+from bridge_cli.checkpoint import layout, optimizer_by_name, state_dict, verify
 from bridge_cli.checkpoint.adapters import AdapterPolicy
 from bridge_cli.checkpoint.errors import CheckpointError
 from bridge_cli.checkpoint.save import NON_PERSISTENT
@@ -196,7 +196,9 @@ def _load(state, model: list, optimizer, scheduler, path: Path, weights_only: bo
     template = state_dict.model_sharded_state_dict(model, metadata, select)
     saved = verify.saved_config(path)
     verify.check_model_matches(path, template, stored, state.cfg.derived.model, saved)
-    load_optim = not weights_only and optimizer is not None and _optimizer_state_fits(path, state.cfg, stored, saved)
+    optim_mode = None if weights_only or optimizer is None else _optimizer_state_fits(path, state.cfg, stored, saved,
+                                                                                       optimizer)
+    load_optim = optim_mode == AS_SAVED
     load_rng = not weights_only and _rng_states_fit(path, ckpt, stored)
     load_rerun = not weights_only and _rerun_is_pending(path, common, stored)
     if load_optim:
@@ -206,6 +208,8 @@ def _load(state, model: list, optimizer, scheduler, path: Path, weights_only: bo
                                rng=load_rng, is_cuda=state.runtime.is_cuda, is_loading=True, select=select)
     if load_rerun:
         sharded.update(state_dict.rerun_template())
+    if optim_mode == BY_NAME:
+        sharded["optimizer"] = optimizer_by_name.template(optimizer, sharded, metadata)
     with warnings.catch_warnings():
         # torch's and megatron-core's own deprecation notices about their internals: nothing to act on
         warnings.filterwarnings("ignore", message=".*(deprecating ShardedTensor|`load_state_dict` is deprecated)",
@@ -217,6 +221,9 @@ def _load(state, model: list, optimizer, scheduler, path: Path, weights_only: bo
         _read(path, f"the {key} weights", lambda: chunk.load_state_dict(loaded[key], strict=select is None))
     if load_optim:
         _read(path, "the optimizer state", lambda: _load_optimizer(optimizer, loaded["optimizer"], state))
+    elif optim_mode == BY_NAME:
+        _read(path, "the optimizer state", lambda: _load_optimizer_by_name(optimizer, sharded["optimizer"],
+                                                                          loaded["optimizer"], common, state))
     elif optimizer is not None:
         # fp32 main copies of half-precision weights follow the loaded weights (or the checkpoint's fp32 ones)
         optimizer.reload_model_params(state_dict=loaded if ckpt.load_main_params_from_ckpt else None)
@@ -246,31 +253,40 @@ def _restore_progress(path: Path, train_state, scheduler, loaded: dict) -> None:
         _load_scheduler(path, scheduler, loaded["opt_param_scheduler"])
 
 
-def _optimizer_state_fits(path: Path, cfg, stored: dict, saved: Optional[dict]) -> bool:
-    """Whether to load the optimizer state; says why not when the checkpoint's cannot be used."""
+AS_SAVED, BY_NAME = "as saved", "by name"
+"""How the optimizer state loads: megatron-core's own load, or :mod:`~bridge_cli.checkpoint.optimizer_by_name`'s."""
+
+
+def _optimizer_state_fits(path: Path, cfg, stored: dict, saved: Optional[dict], optimizer) -> Optional[str]:
+    """How to load the optimizer state (None: not at all); says why not when the checkpoint's cannot be used."""
     if not cfg.checkpoint.load_optim:
-        return False
+        return None
     if not any(_is_optimizer_key(key) for key in stored):
         _say(f"{path} holds no optimizer state (saved with checkpoint.save_optim=false); the optimizer starts fresh.")
-        return False
+        return None
     saved_distributed = (saved or {}).get("optimizer", {}).get("use_distributed_optimizer")
     fresh = "loading the weights, scheduler and progress; the optimizer starts fresh."
     if saved_distributed is not None and saved_distributed != cfg.optimizer.use_distributed_optimizer:
         _say(f"{path} holds the state of a {'distributed' if saved_distributed else 'plain'} optimizer, which this "
              f"run's optimizer cannot read; {fresh}")
-        return False
+        return None
     saved_experts = _expert_layout((saved or {}).get("model", {}))
     if saved_experts not in (None, _expert_layout(vars(cfg.model))):
-        _say(f"{path} holds optimizer state for expert parallel x expert tensor parallel {saved_experts[0]} x "
-             f"{saved_experts[1]}: megatron-core groups the expert parameters' state by that layout, and it does not "
+        held = (f"{path} holds optimizer state for expert parallel x expert tensor parallel {saved_experts[0]} x "
+                f"{saved_experts[1]}")
+        if not saved_distributed and optimizer_by_name.supported(optimizer):
+            _say(f"{held}: loading its Adam moments weight by weight into this run's layout.")
+            return BY_NAME
+        _say(f"{held}: megatron-core groups the expert parameters' state of its "
+             f"{'distributed' if saved_distributed else 'mixed-precision'} optimizer by that layout, and it does not "
              f"reshard to this run's; {fresh}")
-        return False
+        return None
     saved_layout = _model_parallel_layout((saved or {}).get("model", {}))
     if saved_distributed and saved_layout not in (None, _model_parallel_layout(vars(cfg.model))):
         _say(f"{path} holds distributed-optimizer state for tensor x pipeline parallel {saved_layout[0]} x "
              f"{saved_layout[1]}, which reshards across data-parallel sizes only; {fresh}")
-        return False
-    return True
+        return None
+    return AS_SAVED
 
 
 def _is_optimizer_key(key: str) -> bool:
@@ -358,6 +374,14 @@ def _load_optimizer(optimizer, saved, state) -> None:
                     value = torch.full_like(step, float(group["step"])) if "step" in group else step.clone()
                     inner.state[param]["step"] = value
     # torch takes fused/foreach from the checkpoint's param groups: this run's choice wins
+    from bridge_cli.runtime.optimizer import apply_adam_kernel_choice
+
+    apply_adam_kernel_choice(optimizer, state.cfg.optimizer, state.runtime.is_cuda)
+
+
+@torch.no_grad()
+def _load_optimizer_by_name(optimizer, template: dict, saved: dict, common: dict, state) -> None:
+    optimizer_by_name.load(optimizer, template, saved, common.get("optimizer"))
     from bridge_cli.runtime.optimizer import apply_adam_kernel_choice
 
     apply_adam_kernel_choice(optimizer, state.cfg.optimizer, state.runtime.is_cuda)

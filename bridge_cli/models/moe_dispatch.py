@@ -126,6 +126,17 @@ def use_device_token_dispatch(model: torch.nn.Module) -> None:
     from bridge_cli.models.moe_checks import device_dispatch_blocker
 
     for layer in model.modules():
-        if (isinstance(layer, MoELayer) and not device_dispatch_blocker(layer.config)
+        if not isinstance(layer, MoELayer):
+            continue
+        if (not device_dispatch_blocker(layer.config)
                 and type(layer.token_dispatcher) in (MoEAlltoAllTokenDispatcher, MoEAllGatherTokenDispatcher)):
             layer.token_dispatcher = DeviceTokenDispatcher(layer.token_dispatcher)
+        elif type(layer.token_dispatcher) is MoEAlltoAllTokenDispatcher and layer.token_dispatcher.tp_size > 1 \
+                and not torch.cuda.is_available():
+            from bridge_cli.runtime.errors import RuntimeUnavailable
+
+            raise RuntimeUnavailable(
+                f"model.moe_token_dispatcher_type=alltoall with expert tensor parallelism "
+                f"({layer.token_dispatcher.tp_size}) and megatron-core's dispatcher (here "
+                f"{device_dispatch_blocker(layer.config)}) gathers uneven token counts, which gloo cannot; on the CPU "
+                "set model.moe_token_dispatcher_type=allgather.")

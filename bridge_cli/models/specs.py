@@ -85,7 +85,6 @@ def layer_spec(name: str, config: TransformerConfig, vp_stage: Optional[int] = N
             f"model.context_parallel_size={config.context_parallel_size} needs Transformer Engine's attention or "
             "the torch spec's; the local layer spec has neither. Use model.spec=torch or model.spec=te.")
     if config.num_moe_experts:
-        _check_dispatcher_on_this_device(config)
         spec = gpt_layer_specs.get_gpt_decoder_block_spec(
             config, use_transformer_engine=use_te, normalization=config.normalization,
             qk_l2_norm=config.qk_l2_norm, vp_stage=vp_stage)
@@ -207,16 +206,6 @@ def _use_layer_options(spec, layers: list, config: TransformerConfig, vp_stage: 
                                               layer_norm=WrappedTorchNorm)
         _replace_norms(spec, layers, (WrappedTorchNorm, SequenceParallelTorchNorm), ZeroCenteredRMSNorm)
     return spec
-
-
-def _check_dispatcher_on_this_device(config: TransformerConfig) -> None:
-    import torch
-
-    etp = config.expert_tensor_parallel_size or config.tensor_model_parallel_size
-    if config.moe_token_dispatcher_type == "alltoall" and etp > 1 and not torch.cuda.is_available():
-        raise RuntimeUnavailable(
-            f"model.moe_token_dispatcher_type=alltoall with expert tensor parallelism ({etp}) gathers uneven "
-            "token counts, which gloo cannot; on the CPU set model.moe_token_dispatcher_type=allgather.")
 
 
 def _use_grouped_gemm_experts(layer: ModuleSpec) -> None:

@@ -154,6 +154,23 @@ def test_checkpoints_reshard_between_tensor_parallel_sizes(reference, stopped_at
         assert float(resumed[i]) == pytest.approx(float(reference[i]), rel=1e-5), i
 
 
+def test_checkpoints_reshard_between_pipeline_parallel_sizes(reference, stopped_at_20, tmp_path):
+    """PP=1 (saved at 20) -> PP=2 (resumes, saves at 30) -> PP=1 (resumes to 40), optimizer state included."""
+    root = tmp_path / "ckpt"
+    shutil.copytree(stopped_at_20, root)
+    out = ok(torchrun(2, "pretrain", *ARGS, f"checkpoint.save={root}", "model.pipeline_model_parallel_size=2",
+                      "train.exit_interval=30"))
+    assert "PP 2" in out and f"loaded checkpoint {root}/iter_0000020" in out
+    pp2 = losses(out)
+    out = ok(bridge("pretrain", *ARGS, f"checkpoint.save={root}"))
+    assert f"loaded checkpoint {root}/iter_0000030" in out and "pipeline x tensor parallel 2 x 1" in out
+    assert "optimizer starts fresh" not in out
+    resumed = {**pp2, **losses(out)}
+    assert sorted(resumed) == list(range(21, 41))
+    for i in range(21, 41):
+        assert float(resumed[i]) == pytest.approx(float(reference[i]), rel=1e-5), i
+
+
 def test_keep_last_k_and_non_persistent_checkpoints(tmp_path):
     """Persistent saves every 4 (keep 2), non-persistent every step (keep 1); a kill at 12 resumes from 11."""
     root = tmp_path / "ckpt"
