@@ -12,7 +12,8 @@ class DataloaderConfig:
     """Settings shared by every dataset's dataloader."""
 
     dataloader_type: Optional[str] = one_of(None, "single", "cyclic", "external")
-    """Single-pass ('single'), repeating ('cyclic'), or user-built ('external') dataloader."""
+    """Single-pass ('single', the default) or repeating ('cyclic'); 'external' (a loader built outside,
+    Megatron-Bridge's name) is refused: bridge builds the loader from its own datasets."""
 
     num_workers: int = 8
     """Dataloader worker processes."""
@@ -25,6 +26,15 @@ class DataloaderConfig:
 
     persistent_workers: bool = False
     """Keep dataloader workers alive across epochs."""
+
+
+    def check(self) -> list[tuple[str, str]]:
+        """(field, message) for each problem; empty when the section is consistent."""
+        if self.dataloader_type == "external":
+            return [("dataloader_type", "external is a loader built outside bridge, which neither the command line nor "
+                     "pretrain() takes: bridge builds the loader from its datasets. Use single (one pass) or cyclic "
+                     "(repeating epochs).")]
+        return []
 
 
 @dataclass
@@ -99,7 +109,7 @@ class GPTDatasetConfig(DataloaderConfig):
 
     def check(self) -> list[tuple[str, str]]:
         """(field, message) for each problem; empty when the section is consistent."""
-        problems = []
+        problems = super().check()
         if self.blend_per_split is not None:
             if self.blend is not None:
                 problems.append(("blend_per_split", "cannot be combined with blend; set one of them."))
@@ -137,11 +147,12 @@ class MockGPTDatasetConfig(GPTDatasetConfig):
     def check(self) -> list[tuple[str, str]]:
         """(field, message) for each problem; empty when the section is consistent."""
         problems = super().check()
+        real_data = "to read files, choose the file-backed dataset: dataset=gpt on the command line, GPTDatasetConfig from Python."
         for name in ("blend", "blend_per_split"):
             if getattr(self, name) is not None:
-                problems.append((name, "must be None for a mock dataset; use GPTDatasetConfig for real data."))
+                problems.append((name, f"must be None for the mock dataset, which reads no files; {real_data}"))
         if not self.mock:
-            problems.append(("mock", "must be true for a mock dataset; use GPTDatasetConfig for real data."))
+            problems.append(("mock", f"must be true for the mock dataset; {real_data}"))
         return problems
 
 
@@ -183,6 +194,9 @@ class FinetuningDatasetConfig(DataloaderConfig):
 
     def check(self) -> list[tuple[str, str]]:
         """(field, message) for each problem; empty when the section is consistent."""
+        problems = super().check()
+        if problems:
+            return problems
         size = self.packed_sequence_specs.packed_sequence_size
         if size > 0 and self.seq_length is not None and size > self.seq_length:
             return [("packed_sequence_specs.packed_sequence_size",

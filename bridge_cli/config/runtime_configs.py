@@ -37,7 +37,7 @@ class DistributedInitConfig:
     """Launch each pipeline stage's gradient reduce independently instead of all at once."""
 
     local_rank: int = 0
-    """Local rank of this process; torchrun's LOCAL_RANK environment variable overrides it."""
+    """Local rank of this process (Megatron-Bridge's field); bridge takes it from the launcher and refuses another value."""
 
     lazy_init: bool = False
     """Skip DDP initialization and return a function that completes it (external DDP manager); implies CPU init."""

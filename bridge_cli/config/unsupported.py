@@ -32,6 +32,8 @@ UNSUPPORTED: dict[str, str] = {
     "checkpoint.use_checkpoint_args": "the run's config always comes from the recipe and command line.",
     "checkpoint.ckpt_convert_format": "use `bridge convert-ckpt` to convert checkpoints.",
     "checkpoint.ckpt_convert_save": "use `bridge convert-ckpt` to convert checkpoints.",
+    "dist.local_rank": "each process takes its local rank (its GPU) from its launcher: torchrun's LOCAL_RANK or "
+                       "Slurm's SLURM_LOCALID.",
     "dist.lazy_init": "DDP is always initialized by bridge.",
     "dist.use_torch_fsdp2": "torch FSDP2 is not supported; use the distributed optimizer.",
     "dist.nccl_communicator_config_path": "per-communicator NCCL settings are not passed to megatron-core yet.",

@@ -37,6 +37,11 @@ def assert_user_error(result, *fragments: str) -> None:
     (["profiling.use_pytorch_profiler=true", "profiling.use_nsys_profiler=true"], ["profiling."]),
     (["train.train_iters=[1"], ["cannot parse override"]),
     (["train.rampup_batch_size=[2,2,100]"], ["train.rampup_batch_size", "multiples of micro batch"]),
+    # fields that did nothing without a word: the launcher's local rank, a loader built outside bridge
+    (["dist.local_rank=1"], ["dist.local_rank", "LOCAL_RANK", "Leave it at its default (0)"]),
+    (["dataset.dataloader_type=external"], ["dataset.dataloader_type: external", "single", "cyclic"]),
+    # the override to type, not a class name
+    (["dataset.blend=[a]"], ["dataset.blend", "dataset=gpt"]),
     # megatron-core's own asserts (a traceback) or a division by zero without these
     (["train.global_batch_size=32", "train.rampup_batch_size=[8,16,96]"], ["train.rampup_batch_size", "does not end at"]),
     (["train.global_batch_size=32", "train.rampup_batch_size=[32,8,96]"], ["train.rampup_batch_size", "does not end at"]),
@@ -51,6 +56,14 @@ def test_malformed_recipe_yaml_names_file_and_line(cli, tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("# @package _global_\ntrain:\n  train_iters: 5\n   micro_batch_size: [\n")
     assert_user_error(cli("config", "validate", f"recipe={bad}"), f"{bad}:4", "malformed YAML")
+
+
+@pytest.mark.parametrize("text", ["", "# settings to come\n"], ids=["empty", "comment_only"])
+def test_an_empty_recipe_is_named_empty(cli, tmp_path, text):
+    recipe = tmp_path / "mine.yaml"
+    recipe.write_text(text)
+    assert_user_error(cli("config", "validate", f"recipe={recipe}"), f"recipe: {recipe} is empty",
+                      "bridge recipes cp tiny")
 
 
 def test_unknown_key_inside_a_recipe_names_the_recipe(cli, tmp_path):
