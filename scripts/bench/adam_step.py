@@ -12,10 +12,7 @@ from __future__ import annotations
 
 import argparse
 
-import torch
-
-from bridge_cli.runtime.triton_adam import adam_update
-from gpu_timing import time_ms  # this folder's helper
+from gpu_timing import require_cuda, time_ms  # this folder's helper
 
 LR, BETAS, EPS, WEIGHT_DECAY, CLIP = 3e-4, (0.9, 0.95), 1e-8, 0.1, 0.8
 
@@ -31,6 +28,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=10)
     args = parser.parse_args()
+    require_cuda("adam_step.py times Adam steps on a CUDA GPU")
+    import torch
+
+    from bridge_cli.runtime.triton_adam import adam_update
+
     torch.manual_seed(0)
     weights = [torch.nn.Parameter(torch.randn(shape, device="cuda").view(-1) * 0.02) for shape in proxy_shapes()]
     for w in weights:

@@ -13,13 +13,12 @@ from __future__ import annotations
 import argparse
 import time
 
-import torch
-
-from bridge_cli.models.attention import kernels
-from bridge_cli.models.attention.masks import block_mask
+from gpu_timing import require_cuda  # this folder's helper
 
 
 def timed_ms(fn, iters: int = 20) -> float:
+    import torch
+
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
@@ -37,6 +36,12 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--window", type=int, default=0, help="sliding window (keys before the query); 0: none")
     args = parser.parse_args()
+    require_cuda("attention_kernels.py times attention kernels on a CUDA GPU")
+    import torch
+
+    from bridge_cli.models.attention import kernels
+    from bridge_cli.models.attention.masks import block_mask
+
     b, s, window = args.batch, args.seq, args.window or None
     q = torch.randn(b, 32, s, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     k, v = (torch.randn(b, 8, s, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))

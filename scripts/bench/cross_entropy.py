@@ -12,18 +12,19 @@ loss difference between the two.
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
-import torch
+from gpu_timing import require_cuda, time_ms  # this folder's helper
 
-from bridge_cli.models import cross_entropy
-from bridge_cli.runtime.distributed import init_distributed
-from fp8_gemms import time_ms
+if TYPE_CHECKING:
+    import torch
 
 SHAPES = {"gpt2_124m": (1024, 64, 50304), "1.5B proxy": (4096, 4, 128256)}
 
 
 def native_loss():
     """megatron-core's compute_language_model_loss body with cross_entropy_fusion_impl=native, compiled."""
+    import torch
     from megatron.core import parallel_state
     from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
 
@@ -37,6 +38,8 @@ def native_loss():
 
 def measure(loss_fn, labels, logits, mask) -> tuple[float, float, torch.Tensor]:
     """ms for forward + backward, GiB held between them, and the losses."""
+    import torch
+
     def step():
         (loss_fn(labels, logits) * mask).sum().backward()
         logits.grad = None
@@ -51,9 +54,16 @@ def measure(loss_fn, labels, logits, mask) -> tuple[float, float, torch.Tensor]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--block", type=int, nargs="*", default=[cross_entropy.BLOCK])
-    parser.add_argument("--warps", type=int, nargs="*", default=[cross_entropy.WARPS])
+    parser.add_argument("--block", type=int, nargs="*", help="Triton block sizes to try (default: the kernel's)")
+    parser.add_argument("--warps", type=int, nargs="*", help="Triton warp counts to try (default: the kernel's)")
     args = parser.parse_args()
+    require_cuda("cross_entropy.py times the loss on a CUDA GPU")
+    import torch
+
+    from bridge_cli.models import cross_entropy
+    from bridge_cli.runtime.distributed import init_distributed
+
+    blocks, warps_tried = args.block or [cross_entropy.BLOCK], args.warps or [cross_entropy.WARPS]
     init_distributed("nccl", 10, 1, 1)
     print("| shape | loss | ms (forward + backward) | GB/s | held GiB | max loss difference |")
     print("| --- | --- | ---: | ---: | ---: | ---: |")
@@ -65,8 +75,8 @@ def main() -> None:
         traffic = 3 * logits.numel() * logits.element_size()
         ms, held, reference = measure(native_loss(), labels, logits, mask)
         print(f"| {name} | native, compiled | {ms:.2f} | {traffic / ms / 1e6:,.0f} | {held:.2f} | |")
-        for block in args.block:
-            for warps in args.warps:
+        for block in blocks:
+            for warps in warps_tried:
                 cross_entropy.BLOCK, cross_entropy.WARPS = block, warps
                 # a new gradient tensor: the model's in-place one moves the same bytes but would overwrite this
                 # benchmark's logits, which every step reuses

@@ -8,16 +8,23 @@ which ``model.gradient_accumulation_fusion`` uses), on mock-data tokens and on Z
 
 from __future__ import annotations
 
-import numpy as np
-import torch
+import argparse
+from typing import TYPE_CHECKING
 
-from gpu_timing import time_ms  # this folder's helper
+import numpy as np
+
+from gpu_timing import require_cuda, time_ms  # this folder's helper
+
+if TYPE_CHECKING:
+    import torch
 
 VOCAB, HIDDEN, BATCH, SEQ = 128256, 2048, 4, 4096
 
 
 def mock_tokens() -> torch.Tensor:
     """megatron-core's mock documents: 1, 2, ..., length - 1, then end-of-document, random lengths."""
+    import torch
+
     rng, rows = np.random.default_rng(0), []
     while sum(len(r) for r in rows) < BATCH * SEQ:
         n = int(rng.integers(1, SEQ))
@@ -26,12 +33,18 @@ def mock_tokens() -> torch.Tensor:
 
 
 def zipf_tokens() -> torch.Tensor:
+    import torch
+
     rng = np.random.default_rng(0)
     return torch.tensor(np.minimum(rng.zipf(1.2, BATCH * SEQ), VOCAB - 1), device="cuda").view(BATCH, SEQ)
 
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
+    require_cuda("embedding_grad.py times the embedding's gradient on a CUDA GPU")
+    import torch
+
     main_grad = torch.zeros(VOCAB, HIDDEN, device="cuda")
     grad = torch.randn(BATCH, SEQ, HIDDEN, device="cuda", dtype=torch.bfloat16)
     rows = grad.reshape(-1, HIDDEN)

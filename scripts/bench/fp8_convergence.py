@@ -31,6 +31,8 @@ import sysconfig
 import tempfile
 from pathlib import Path
 
+from gpu_timing import require_cuda  # this folder's helper
+
 RUNS = {"bf16": ["mixed_precision=bf16_mixed"],
         "fp8 tensorwise": ["mixed_precision=bf16_with_fp8_current_scaling_mixed"],
         "fp8 rowwise": ["mixed_precision=bf16_with_fp8_rowwise_mixed"]}
@@ -60,6 +62,7 @@ def main() -> None:
     parser.add_argument("--runs", nargs="+", choices=list(RUNS), default=list(RUNS))
     parser.add_argument("--out", type=Path, default=Path("."))
     args = parser.parse_args()
+    require_cuda("fp8_convergence.py trains in FP8 on a CUDA GPU")
     args.out.mkdir(parents=True, exist_ok=True)
     results_file = args.out / "fp8_convergence.json"
     results = json.loads(results_file.read_text()) if results_file.exists() else {}

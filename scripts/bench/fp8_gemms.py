@@ -13,11 +13,7 @@ from __future__ import annotations
 
 import argparse
 
-import torch
-import torch.nn.functional as F
-
-from bridge_cli.models.fp8_linear import Fp8Scaling, fp8_linear
-from gpu_timing import time_ms  # this folder's helper
+from gpu_timing import require_cuda, time_ms  # this folder's helper
 
 SHAPES = {"qkv": (2048, 3072), "proj": (2048, 2048), "fc1": (2048, 16384), "fc2": (8192, 2048)}
 
@@ -28,6 +24,12 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--compile", action="store_true")
     args = parser.parse_args()
+    require_cuda("fp8_gemms.py times FP8 and bf16 GEMMs on a CUDA GPU")
+    import torch
+    import torch.nn.functional as F
+
+    from bridge_cli.models.fp8_linear import Fp8Scaling, fp8_linear
+
     linears = {"bf16": lambda x, w: F.linear(x, w),
                "fp8 tensorwise": lambda x, w: fp8_linear(x, w, None, Fp8Scaling("tensorwise", torch.float8_e5m2)),
                "fp8 rowwise": lambda x, w: fp8_linear(x, w, None, Fp8Scaling("rowwise", torch.float8_e4m3fn))}

@@ -11,11 +11,12 @@ and the largest difference from a float64 reference.
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
-import torch
+from gpu_timing import require_cuda, time_ms  # this folder's helper
 
-from bridge_cli.models import grouped_wgrad
-from fp8_gemms import time_ms
+if TYPE_CHECKING:
+    import torch
 
 CONFIGS = [(128, 128, 64, 4, 4), (128, 128, 32, 4, 4), (128, 128, 32, 4, 5), (128, 128, 32, 8, 4),
            (128, 256, 32, 8, 4), (256, 128, 32, 8, 4), (128, 64, 32, 4, 4), (64, 128, 32, 4, 4),
@@ -24,6 +25,8 @@ CONFIGS = [(128, 128, 64, 4, 4), (128, 128, 32, 4, 4), (128, 128, 32, 4, 5), (12
 
 def routed_ends(tokens: int, experts: int) -> torch.Tensor:
     """Uneven token counts per expert (as a router gives), a few experts empty."""
+    import torch
+
     weights = torch.rand(experts) + 0.5
     weights[:2] = 0
     counts = torch.distributions.Multinomial(tokens, weights / weights.sum()).sample().long()
@@ -31,6 +34,10 @@ def routed_ends(tokens: int, experts: int) -> torch.Tensor:
 
 
 def check(experts: int = 8, out_features: int = 256, in_features: int = 384, tokens: int = 3001) -> float:
+    import torch
+
+    from bridge_cli.models import grouped_wgrad
+
     ends = routed_ends(tokens, experts)
     dy = torch.randn(tokens, out_features, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(tokens, in_features, device="cuda", dtype=torch.bfloat16)
@@ -44,10 +51,15 @@ def check(experts: int = 8, out_features: int = 256, in_features: int = 384, tok
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=65536, help="routed tokens a micro-batch (2 x 4096 x top-8)")
     parser.add_argument("--experts", type=int, default=64)
     args = parser.parse_args()
+    require_cuda("grouped_wgrad.py times expert weight gradients on a CUDA GPU")
+    import torch
+
+    from bridge_cli.models import grouped_wgrad
+
     print(f"relative error against float64: {check():.2e}")
     rows = []
     for name, out_features, in_features in (("fc1", 1536, 2048), ("fc2", 2048, 768)):
