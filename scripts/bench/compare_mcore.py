@@ -1,9 +1,9 @@
 """bridge vs bare megatron-core on the same model, same batch, in one run on one GPU.
 
-    python scripts/bench/compare_mcore.py [--baseline ../shared/bench/mcore_baseline.py] [--steps 12]
-        [--variant mbs2:train.micro_batch_size=2 ...]
+    python scripts/bench/compare_mcore.py [--baseline PATH] [--steps 12] [--variant mbs2:train.micro_batch_size=2 ...]
+        [--titan [PATH]]
 
-Runs shared/bench/mcore_baseline.py (a bare megatron-core loop: SDPA core attention, distributed
+Runs mcore_baseline.py, in this folder (a bare megatron-core loop: SDPA core attention, distributed
 optimizer, bf16) and `bridge pretrain recipe=llama1b` set to the same shape (the 1.5B proxy:
 16 layers, hidden 2048, GQA 32/8, FFN 8192, vocab 128256, seq 4096, micro-batch 1, global
 batch 8, untied embeddings), then prints tokens/s/GPU, model TFLOP/s/GPU, MFU, peak memory,
@@ -19,8 +19,8 @@ on it, ``docsN causal`` (attention across documents, the causal kernel) and ``do
 (``dataset.reset_attention_mask=true reset_position_ids=true``: FlexAttention with per-document
 block masks), and prints masked / causal tokens/s.
 
-``--titan PATH`` adds torchtitan (``shared/bench/titan/run_titan.py``, its wheels installed as its README
-says) at its best setting, micro-batch 4 x 2 compiled, to the same table; each
+``--titan`` adds torchtitan (``run_titan.py`` in this folder, with the wheels its docstring lists) at its best
+setting, micro-batch 4 x 2 compiled, to the same table; each
 ``--titan-variant NAME:FLAGS`` adds a torchtitan run at that setting with its own flags on top, e.g.
 ``fp8tw:--model.converters quantize.linear.float8 --quantize.linear.float8.recipe_name tensorwise``
 (float8 through torchao, whose wheel must be installed too). A run that fails (out of memory, say)
@@ -41,10 +41,13 @@ import threading
 import time
 from pathlib import Path
 
+from gpu_timing import require_cuda  # this folder's helper
+
 H100_BF16_PEAK_TFLOPS = 989.0
 ITER_LINE = re.compile(r"^iteration\s+(\d+)/\d+ \| .*?elapsed ms/iter ([0-9.]+) .*?TFLOP/s/gpu ([0-9.]+)", re.M)
 PEAK = re.compile(r"memory at the end of training .*peak allocated ([0-9.]+) GiB")
 START_UP = re.compile(r"^start-up .*$", re.M)
+FIRST_ITERATION = re.compile(r"^iteration\s+1/")  # bridge's first step's log line, for run()
 
 PROXY_OVERRIDES = [
     "recipe=llama1b", "model.share_embeddings_and_output_weights=false", "model.spec=torch",
@@ -117,7 +120,7 @@ def titan(script: Path, steps: int, warmup: int, flags: list[str] = ()) -> dict:
 def bridge(steps: int, warmup: int, extra: list[str]) -> dict:
     total = steps + warmup
     out, wall, first = run([sys.executable, "-m", "bridge_cli", "pretrain", *PROXY_OVERRIDES,
-                            f"train.train_iters={total}", *extra], re.compile(r"^iteration\s+1/"))
+                            f"train.train_iters={total}", *extra], FIRST_ITERATION)
     rows = [(int(i), float(ms), float(tf)) for i, ms, tf in ITER_LINE.findall(out) if int(i) > warmup]
     step_ms = statistics.median(ms for _, ms, _ in rows)
     tflops = statistics.median(tf for _, _, tf in rows)
@@ -147,19 +150,25 @@ def document_dataset(folder: Path, documents_per_row: int, rows: int, seq: int =
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--baseline", type=Path, default=Path(__file__).resolve().parents[3] / "shared/bench/mcore_baseline.py")
+    parser.add_argument("--baseline", type=Path, default=Path(__file__).with_name("mcore_baseline.py"),
+                        help="the bare megatron-core loop (default: mcore_baseline.py in this folder)")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--variant", action="append", default=[], metavar="NAME:OVERRIDES")
     parser.add_argument("--documents", type=int, default=0, metavar="N",
                         help="also run causal vs per-document masked attention on rows of about N documents")
-    parser.add_argument("--titan", type=Path, metavar="RUN_TITAN_PY",
-                        help="also run torchtitan (shared/bench/titan/run_titan.py) at 4 x 2, compiled")
+    parser.add_argument("--titan", type=Path, nargs="?", const=Path(__file__).with_name("run_titan.py"),
+                        metavar="RUN_TITAN_PY", help="also run torchtitan at 4 x 2, compiled (default: run_titan.py in "
+                        "this folder)")
     parser.add_argument("--titan-variant", action="append", default=[], metavar="NAME:FLAGS",
                         help="also run torchtitan at 4 x 2 compiled with these trainer flags (needs --titan)")
     args = parser.parse_args()
     if args.titan_variant and not args.titan:
-        parser.error("--titan-variant needs --titan RUN_TITAN_PY")
+        parser.error("--titan-variant needs --titan")
+    for script in (args.baseline, args.titan):
+        if script and not script.is_file():
+            parser.error(f"no such file: {script}")
+    require_cuda("compare_mcore.py measures on a CUDA GPU (the bare megatron-core loop runs on CUDA with NCCL)")
     runs = {"bare mcore": lambda: bare(args.baseline, args.steps, args.warmup)}
     if args.titan:
         runs["titan 4x2 comp"] = lambda: titan(args.titan, args.steps, args.warmup)
