@@ -90,3 +90,35 @@ def test_a_token_gets_each_of_its_experts_output_once(one_process):
                          ids=["capacity_factor", "sequential_mlp"])
 def test_megatron_cores_dispatcher_stays_where_the_permutation_is_not_fixed(one_process, overrides):
     assert not any(isinstance(mlp.token_dispatcher, DeviceTokenDispatcher) for mlp in moe_layers(build(**overrides)))
+
+
+def test_the_unused_tail_reaches_no_output_and_no_gradient(one_process):
+    """A rank holding some experts gets buffers sized for the most pairs it can receive; on the GPU the rows past
+    the count are left unwritten (any values, NaN included). Whatever they hold, the combined output and the
+    gradients of the tokens and of the routing probabilities stay those of the real rows."""
+    from types import SimpleNamespace
+
+    mlp = moe_layers(build(moe_router_topk=2))[0]
+    real = mlp.token_dispatcher  # all 8 experts local; make this rank hold experts 0-3 only
+    half = SimpleNamespace(config=real.config, ep_group=real.ep_group, tp_group=real.tp_group,
+                           tp_ep_group=real.tp_ep_group, local_expert_indices=[0, 1, 2, 3], num_local_experts=4)
+    dispatcher = DeviceTokenDispatcher(half)
+    hidden = torch.randn(6, 1, 64, requires_grad=True)
+    routing_map = torch.zeros(6, 8, dtype=torch.bool)
+    for token, pair in enumerate([(0, 7), (3, 1), (5, 6), (2, 0), (4, 1), (6, 7)]):
+        routing_map[token, list(pair)] = True
+    probs = (torch.rand(6, 8) * routing_map).requires_grad_()
+    tokens, probs_in = dispatcher.dispatch_preprocess(hidden, routing_map, probs)
+    permuted, counts, permuted_probs = dispatcher.dispatch_postprocess(*dispatcher.token_dispatch(tokens, probs_in))
+    count = int(counts.sum())
+    assert count == 6 and permuted.shape[0] == 12  # 6 tokens x min(topk, 4 local experts) rows of room
+    valid = (torch.arange(12) < count).unsqueeze(-1)
+    rows = torch.where(valid, permuted, float("nan"))  # what the GPU's unwritten tail may hold
+    out = dispatcher.combine_postprocess(dispatcher.token_combine(dispatcher.combine_preprocess(
+        rows * permuted_probs.unsqueeze(-1))))
+    out.square().sum().backward()
+    assert torch.isfinite(out).all() and torch.isfinite(hidden.grad).all() and torch.isfinite(probs.grad).all()
+    local = routing_map[:, :4]
+    expected = (hidden.detach()[:, 0].unsqueeze(1) * (probs.detach()[:, :4] * local).unsqueeze(-1)).sum(1)
+    torch.testing.assert_close(out[:, 0].detach(), expected)
+    assert (probs.grad[:, 4:] == 0).all()  # experts of other ranks get their gradient there
