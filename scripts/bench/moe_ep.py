@@ -29,7 +29,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from compare_mcore import H100_BF16_PEAK_TFLOPS, ITER_LINE, PEAK
+from compare_mcore import H100_BF16_PEAK_TFLOPS, ITER_LINE, PEAK, RunFailed
 from compare_mcore import run as run_timed
 
 LOSS = re.compile(r"^iteration\s+(\d+)/\d+ .*\| lm loss ([0-9.]+) ", re.M)
@@ -48,8 +48,11 @@ RESUME_OVERRIDES = ["model.num_layers=2", "model.num_moe_experts=16", "model.voc
 
 
 def run(argv: list[str]) -> tuple[str, float, float]:
-    """``compare_mcore.run`` timing the launch to the first iteration's log line."""
-    return run_timed(argv, re.compile(r"^iteration\s+1/", re.M))
+    """``compare_mcore.run`` timing the launch to the first iteration's log line; a failed run ends the script."""
+    try:
+        return run_timed(argv, re.compile(r"^iteration\s+1/", re.M))
+    except RunFailed as failure:  # its command and the end of its output are printed above
+        sys.exit(f"moe_ep.py stops: {failure}")
 
 
 def summary(out: str, warmup: int = 3) -> dict:
@@ -130,6 +133,9 @@ def main() -> None:
     parser.add_argument("--curves-only", action="store_true", help="only the one-GPU and EP runs")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
+    if args.iters < 5:
+        parser.error("--iters must be at least 5: the profiler takes iterations ITERS-4..ITERS-2 and the first 3 "
+                     "are not timed")
     base = [f"recipe={args.recipe}", "train.eval_iters=0", "logger.log_interval=1",
             *(args.overrides or DEFAULT_OVERRIDES)]
     bridge = [sys.executable, "-m", "bridge_cli", "pretrain"]

@@ -17,12 +17,13 @@ on an H200, or pass --layers 8 on an 80 GB GPU. Extra OVERRIDEs apply to every r
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import sys
 
-from compare_mcore import H100_BF16_PEAK_TFLOPS, ITER_LINE, PEAK, run
+from compare_mcore import FIRST_ITERATION, H100_BF16_PEAK_TFLOPS, ITER_LINE, PEAK, RunFailed, run
 
-SEQ = 4096
+TOKENS = re.compile(r"^iteration\s+(\d+)/\d+ .*\| tokens/s/gpu ([0-9,]+) ", re.M)
 BASE = ["recipe=moe_proxy", "model.spec=torch", "train.eval_iters=0", "logger.log_interval=1",
         "dataset.num_workers=2"]
 EAGER_MBS1 = ["model.compile_layers=false", "train.micro_batch_size=1"]  # what SequentialMLP fits and runs
@@ -35,13 +36,18 @@ ARMS = {  # name: (global batch, overrides)
 
 
 def measure(steps: int, warmup: int, global_batch: int, overrides: list[str]) -> dict:
-    out, wall = run([sys.executable, "-m", "bridge_cli", "pretrain", *BASE, f"train.train_iters={steps + warmup}",
-                     f"train.global_batch_size={global_batch}", *overrides])
+    try:
+        out, wall, _ = run([sys.executable, "-m", "bridge_cli", "pretrain", *BASE,
+                            f"train.train_iters={steps + warmup}", f"train.global_batch_size={global_batch}",
+                            *overrides], FIRST_ITERATION)
+    except RunFailed as failure:  # run printed its command and the end of its output
+        sys.exit(f"moe_experts.py stops: {failure}")
     rows = [(float(ms), float(tf)) for i, ms, tf in ITER_LINE.findall(out) if int(i) > warmup]
     step_ms = statistics.median(ms for ms, _ in rows)
     tflops = statistics.median(tf for _, tf in rows)
+    tokens = statistics.median(float(t.replace(",", "")) for i, t in TOKENS.findall(out) if int(i) > warmup)
     peak = PEAK.search(out)
-    return {"ms/step": step_ms, "tok/s/gpu": global_batch * SEQ / step_ms * 1000, "TFLOP/s": tflops,
+    return {"ms/step": step_ms, "tok/s/gpu": tokens, "TFLOP/s": tflops,
             "MFU": tflops / H100_BF16_PEAK_TFLOPS, "peak GiB": float(peak.group(1)) if peak else float("nan"),
             "wall s": wall}
 
@@ -55,8 +61,8 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", help="extra `bridge pretrain` overrides for every run")
     args = parser.parse_args()
     common = [f"model.num_layers={args.layers}", *args.overrides]
-    print(f"MoE proxy, {args.layers} layers, seq {SEQ}; MFU on activated FLOPs "
-          f"against {H100_BF16_PEAK_TFLOPS:.0f} TFLOP/s bf16 peak", flush=True)
+    print(f"MoE proxy, {' '.join(common)}; MFU on activated FLOPs against {H100_BF16_PEAK_TFLOPS:.0f} TFLOP/s "
+          "bf16 peak", flush=True)
     results = {}
     for name in args.only or ARMS:  # each row as its run ends, so a cut-off call still reports
         global_batch, overrides = ARMS[name]

@@ -21,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from compare_mcore import ITER_LINE, run
+from compare_mcore import FIRST_ITERATION, ITER_LINE, RunFailed, run
 
 # megatron-core's fused QKV RoPE takes no packed sequences: both rows run the split and RoPE unfused
 COMMON = ["tokenizer=byte_level", "model.spec=torch", "train.eval_iters=0", "logger.log_interval=1",
@@ -49,10 +49,18 @@ def samples_per_row(folder: Path, seq: int) -> tuple[float, float]:
     return len(rows) / len(pack_rows(rows, seq)), statistics.mean(len(r.tokens) for r in rows)
 
 
+def bridge(*args: str) -> str:
+    """The output of `bridge ARGS`; a failed run ends the script (run printed its command and output)."""
+    try:
+        return run([sys.executable, "-m", "bridge_cli", *args], FIRST_ITERATION)[0]
+    except RunFailed as failure:
+        sys.exit(f"sft_packing.py stops: {failure}")
+
+
 def finetune(args, extra: list[str], base: Path, data: Path) -> float:
-    out, _ = run([sys.executable, "-m", "bridge_cli", "finetune", f"recipe={args.recipe}", "dataset=finetune",
-                  *COMMON, f"model.seq_length={args.seq}", f"dataset.dataset_root={data}",
-                  f"checkpoint.pretrained_checkpoint={base}", f"train.train_iters={args.steps + args.warmup}", *extra])
+    out = bridge("finetune", f"recipe={args.recipe}", "dataset=finetune", *COMMON, f"model.seq_length={args.seq}",
+                 f"dataset.dataset_root={data}", f"checkpoint.pretrained_checkpoint={base}",
+                 f"train.train_iters={args.steps + args.warmup}", *extra)
     return statistics.median(float(ms) for i, ms, _ in ITER_LINE.findall(out) if int(i) > args.warmup)
 
 
@@ -69,9 +77,8 @@ def main() -> None:
         tmp = Path(tmp)
         write_records(tmp, args.records, args.seq)
         per_row, tokens = samples_per_row(tmp, args.seq)
-        run([sys.executable, "-m", "bridge_cli", "pretrain", f"recipe={args.recipe}", *COMMON,
-             f"model.seq_length={args.seq}", "train.train_iters=1", f"train.global_batch_size={args.global_batch}",
-             f"checkpoint.save={tmp / 'base'}"])
+        bridge("pretrain", f"recipe={args.recipe}", *COMMON, f"model.seq_length={args.seq}", "train.train_iters=1",
+               f"train.global_batch_size={args.global_batch}", f"checkpoint.save={tmp / 'base'}")
         batch = [f"train.global_batch_size={args.global_batch}"]
         padded = finetune(args, batch, tmp / "base", tmp)
         packed = finetune(args, [*batch, f"dataset.packed_sequence_specs.packed_sequence_size={args.seq}"],
