@@ -12,6 +12,7 @@ recorded them, ``profiling.record_shapes=true``).
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from bridge_cli.training import kernel_breakdown
@@ -23,12 +24,22 @@ def main() -> None:
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--ops", type=int, default=0, help="also list the N largest (kernel, launching op) rows")
     args = parser.parse_args()
+    missing = [str(trace) for trace in args.trace if not trace.is_file()]
+    if missing:
+        parser.error(f"no such file: {', '.join(missing)}")
+    empty = []
     for trace in args.trace:
-        shares = kernel_breakdown.breakdown(kernel_breakdown.from_trace_file(trace), args.steps)
+        kernels = kernel_breakdown.from_trace_file(trace)
+        if not kernels:
+            empty.append(str(trace))
+            continue
+        shares = kernel_breakdown.breakdown(kernels, args.steps)
         print(kernel_breakdown.table(shares, f"{trace} ({args.steps} steps), per step:"))
         if args.ops:
             rows = kernel_breakdown.by_launching_op(trace, args.steps, args.ops)
             print(kernel_breakdown.op_table(rows, f"the {args.ops} largest by launching op, per step:"))
+    if empty:
+        sys.exit(f"no GPU kernels in {', '.join(empty)}: a trace of a run on the CPU has none")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@
 
 A layout is ``1`` (one GPU) or a ``+``-joined list of ``tpN``/``ppN``/``dpN``/``vppN`` (``tp2+dp2``);
 its world size is their product. Layouts run at the same time on disjoint GPUs when the host has
-enough (``--serial`` runs them one after another, for clean timings), each under torchrun.
+enough (``--serial`` runs them one after another, for clean timings), each under torchrun; without a GPU
+they run one after another on the CPU (gloo), where only the loss curves mean something.
 Prints, per layout: ms/iter and tokens/s per GPU (median of the log lines after the first),
 model TFLOP/s per GPU, MFU, tokens/s of the whole layout and its scaling over the one-GPU run,
 and the largest relative difference of its loss curve from the first layout's.
@@ -21,8 +22,6 @@ import statistics
 import subprocess
 import sys
 import time
-
-import torch
 
 LINE = re.compile(r"^iteration\s+(\d+)/\d+ \| .*?elapsed ms/iter ([0-9.]+) \| tokens/s/gpu ([0-9,]+) \| "
                   r"TFLOP/s/gpu ([0-9.]+) .*?\| lm loss ([0-9.]+)", re.M)
@@ -42,13 +41,16 @@ def parse_layout(name: str) -> dict[str, int]:
     sizes = {"tp": 1, "pp": 1, "dp": 1, "vpp": 0}
     if name != "1":
         for part in name.split("+"):
-            key, value = re.fullmatch(r"(tp|pp|dp|vpp)(\d+)", part).groups()
-            sizes[key] = int(value)
+            match = re.fullmatch(r"(tp|pp|dp|vpp)(\d+)", part)
+            if not match:
+                raise ValueError(f"layout {name!r}: {part!r} is none of tpN, ppN, dpN, vppN")
+            sizes[match.group(1)] = int(match.group(2))
     sizes["world"] = sizes["tp"] * sizes["pp"] * sizes["dp"]
     return sizes
 
 
-def launch(name: str, gpus: list[str], args, port: int) -> subprocess.Popen:
+def launch(name: str, gpus: list[str] | None, args, port: int) -> subprocess.Popen:
+    """torchrun for the layout ``name`` on ``gpus`` (None: on the CPU)."""
     s = parse_layout(name)
     overrides = [f"recipe={args.recipe}", f"train.train_iters={args.iters}", f"logger.log_interval={args.log_interval}",
                  "train.eval_iters=0", f"model.tensor_model_parallel_size={s['tp']}",
@@ -57,7 +59,7 @@ def launch(name: str, gpus: list[str], args, port: int) -> subprocess.Popen:
         overrides.append(f"model.virtual_pipeline_model_parallel_size={s['vpp']}")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(s["world"]),
            "--master-port", str(port), "-m", "bridge_cli", "pretrain", *overrides]
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(gpus), "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **({"CUDA_VISIBLE_DEVICES": ",".join(gpus)} if gpus else {})}
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -85,17 +87,31 @@ def main() -> None:
     parser.add_argument("--serial", action="store_true")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
+    try:
+        worlds = {name: parse_layout(name)["world"] for name in args.layouts}
+    except ValueError as error:
+        parser.error(str(error))
+    import torch
 
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    free = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+    if torch.cuda.is_available():
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        free = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+        too_large = [f"{name} ({world})" for name, world in worlds.items() if world > len(free)]
+        if too_large:
+            parser.error(f"{len(free)} GPUs visible; layouts with more GPUs: {', '.join(too_large)}")
+    else:
+        print("no GPU visible: the layouts run one after another on the CPU (gloo)", flush=True)
+        free, args.serial = [None] * max(worlds.values()), True  # a place per process, not a GPU
     running, results = [], {}
     pending = list(args.layouts)
     while pending or running:
-        while pending and len(free) >= parse_layout(pending[0])["world"] and not (args.serial and running):
+        while pending and len(free) >= worlds[pending[0]] and not (args.serial and running):
             name = pending.pop(0)
-            gpus = [free.pop(0) for _ in range(parse_layout(name)["world"])]
-            running.append((name, gpus, launch(name, gpus, args, free_port()), time.time()))
-            print(f"started {name} on GPUs {gpus}", flush=True)
+            gpus = [free.pop(0) for _ in range(worlds[name])]
+            on_gpus = None if gpus[0] is None else gpus
+            running.append((name, gpus, launch(name, on_gpus, args, free_port()), time.time()))
+            where = f"GPUs {gpus}" if on_gpus else f"the CPU, {len(gpus)} process(es)"
+            print(f"started {name} on {where}", flush=True)
         name, gpus, proc, started = running.pop(0)
         output = proc.communicate()[0]
         results[name] = summarize(name, output, proc.returncode)
