@@ -1,0 +1,223 @@
+"""Every script in scripts/bench/ runs here, so that a changed helper or log line breaks a test and not a user.
+
+Each answers --help without importing torch; each that needs a CUDA GPU refuses the CPU with a reason and a
+non-zero exit, not a traceback; each with a CPU path makes its smallest real run (slow tier); and the log
+parsers the scripts share read a real `bridge pretrain` log. Every script must be in one of the lists below.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import math
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import REPO, bridge, python, run
+
+BENCH = REPO / "scripts" / "bench"
+HELPERS = {"gpu_timing.py"}  # imported by the scripts, not run
+GPU_ONLY = {  # each with the arguments of its CPU refusal test
+    "adam_step.py": [], "attention_kernels.py": [], "cross_entropy.py": [], "embedding_grad.py": [],
+    "fp8_convergence.py": [], "fp8_gemms.py": [], "grouped_wgrad.py": [], "mcore_baseline.py": [],
+    # past its argument checks: its --baseline and --titan defaults, the scripts beside it, exist
+    "compare_mcore.py": ["--titan"],
+}
+CPU_RUNS = ["kernel_breakdown.py", "layouts.py", "linear_cross_entropy.py", "moe_ep.py", "moe_experts.py",
+            "sft_packing.py"]
+NOT_RUN = {  # --help only, and why
+    "convert_memory.py": "its real run builds a 1.24B-parameter model (8 GB of disk); test_convert_memory.py "
+                         "covers its measurement",
+    "run_titan.py": "torchtitan is not a dependency: where it is missing the script says so (tested below)",
+}
+SCRIPTS = sorted(set(GPU_ONLY) | set(CPU_RUNS) | set(NOT_RUN))
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # as torchrun sets: a run's processes share 2 cores
+no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU refusal needs a machine without a GPU")
+
+
+def bench_module(monkeypatch, name: str):
+    """scripts/bench/NAME.py imported as its scripts import each other (their folder on sys.path)."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    return importlib.import_module(name)
+
+
+def succeeded(result) -> str:
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    return result.stdout
+
+
+def test_every_script_is_tested():
+    assert sorted(p.name for p in BENCH.glob("*.py")) == sorted([*SCRIPTS, *HELPERS])
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_help_answers_without_torch(script):
+    result = run(sys.executable, "-X", "importtime", str(BENCH / script), "--help", hand_off=False, timeout=60)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.startswith("usage: "), result.stdout
+    heavy = re.findall(r"\|\s+(torch|megatron)$", result.stderr, re.M)
+    assert not heavy, f"{script} --help imports {sorted(set(heavy))}: import them in main()"
+
+
+@no_gpu
+@pytest.mark.parametrize("script", GPU_ONLY)
+def test_gpu_script_refuses_the_cpu_with_a_reason(script):
+    result = python(str(BENCH / script), *GPU_ONLY[script], timeout=120)
+    assert result.returncode == 1, (result.stdout + result.stderr)[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert f"{script} " in result.stderr and "no CUDA GPU is visible here" in result.stderr, result.stderr
+
+
+def test_compare_mcore_names_a_missing_baseline(tmp_path):
+    result = python(str(BENCH / "compare_mcore.py"), "--baseline", str(tmp_path / "none.py"), timeout=60)
+    assert result.returncode == 2 and f"no such file: {tmp_path / 'none.py'}" in result.stderr, result.stderr[-3000:]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchtitan") is not None, reason="torchtitan is installed")
+def test_run_titan_without_torchtitan_says_what_to_install():
+    result = python(str(BENCH / "run_titan.py"), "--device", "cpu", timeout=60)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert "torchtitan 0.2.2, which is not installed" in result.stderr
+
+
+def test_moe_ep_refuses_too_few_iterations():
+    result = python(str(BENCH / "moe_ep.py"), "--iters", "3", timeout=60)
+    assert result.returncode == 2 and "--iters must be at least 5" in result.stderr, result.stderr[-3000:]
+
+
+def test_kernel_breakdown_splits_a_gpu_trace(tmp_path):
+    """A profiler trace as CUDA writes it: a GEMM launched by aten::mm and an NCCL all-reduce, over 2 steps."""
+    events = [
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 10,
+         "args": {"External id": 7, "Input Dims": [[8, 4], [4, 8]]}},
+        {"ph": "X", "cat": "kernel", "name": "sm90_xmma_gemm_bf16bf16", "ts": 100, "dur": 3000,
+         "args": {"External id": 7}},
+        {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_AllReduce_Sum_bf16", "ts": 3100, "dur": 1000, "args": {}},
+    ]
+    trace = tmp_path / "rank0.pt.trace.json"
+    trace.write_text(json.dumps({"traceEvents": events}))
+    out = succeeded(python(str(BENCH / "kernel_breakdown.py"), str(trace), "--steps", "2", "--ops", "2", timeout=60))
+    assert re.search(r"^  GEMM +1\.5 +75\.0%$", out, re.M), out
+    assert re.search(r"^  communication +0\.5 +25\.0%$", out, re.M), out
+    assert re.search(r"1\.50 +0  GEMM +sm90_xmma_gemm_bf16bf16 +aten::mm \[\[8, 4\], \[4, 8\]\]", out), out
+
+
+def test_kernel_breakdown_names_a_missing_trace(tmp_path):
+    result = python(str(BENCH / "kernel_breakdown.py"), str(tmp_path / "none.json"), "--steps", "1", timeout=60)
+    assert result.returncode == 2 and "no such file" in result.stderr, result.stderr[-3000:]
+
+
+# --- the log parsers on a real run's log, and the real runs (slow) ---
+
+TINY_LOG = ["recipe=tiny", "train.train_iters=5", "logger.log_interval=1", "train.eval_iters=1",
+            "train.eval_interval=0", "logger.timing_log_level=2", "profiling.use_pytorch_profiler=true",
+            "profiling.profile_step_start=2", "profiling.profile_step_end=3"]
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory) -> tuple[str, Path]:
+    """The stdout of a 5-iteration `bridge pretrain recipe=tiny` with timers and the profiler, and its trace."""
+    traces = tmp_path_factory.mktemp("tiny_run")
+    out = succeeded(bridge("pretrain", *TINY_LOG, f"logger.tensorboard_dir={traces}", env=ONE_THREAD))
+    return out, next(traces.glob("*.pt.trace.json"))
+
+
+@pytest.mark.slow
+def test_log_parsers_read_a_bridge_log(tiny_run, monkeypatch):
+    out, _ = tiny_run
+    losses = {int(i): float(x) for i, x in re.findall(r"^iteration\s+(\d+)/5 .*\| lm loss ([0-9.]+) ", out, re.M)}
+    assert sorted(losses) == [1, 2, 3, 4, 5], out[-3000:]
+    compare_mcore, moe_ep, moe_experts, layouts, fp8_convergence = (
+        bench_module(monkeypatch, name) for name in ("compare_mcore", "moe_ep", "moe_experts", "layouts",
+                                                     "fp8_convergence"))
+
+    assert [int(i) for i, _, _ in compare_mcore.ITER_LINE.findall(out)] == [1, 2, 3, 4, 5]
+    assert compare_mcore.START_UP.search(out)
+    assert compare_mcore.FIRST_ITERATION.search(next(line for line in out.splitlines() if line.startswith("iter")))
+
+    summary = moe_ep.summary(out)  # iterations 4 and 5 timed
+    assert summary["losses"] == losses
+    assert all(math.isfinite(summary[key]) and summary[key] > 0 for key in ("tokens", "step_ms", "tflops"))
+    assert {"forward-backward", "forward-compute", "backward-compute", "optimizer"} <= set(summary["timers"])
+    assert moe_ep.curve_difference(losses, summary["losses"], losses) == 0
+    assert [int(i) for i, _ in moe_experts.TOKENS.findall(out)] == [1, 2, 3, 4, 5]
+
+    layout = layouts.summarize("1", out, 0)
+    assert "failed" not in layout and layout["loss"] == losses and layout["tok_s_gpu"] > 0
+
+    assert [float(x) for _, _, x in fp8_convergence.ITERATION.findall(out)] == list(losses.values())
+    assert float(fp8_convergence.VALIDATION.search(out).group(1)) > 0
+
+
+@pytest.mark.slow
+def test_kernel_breakdown_says_a_cpu_trace_has_no_kernels(tiny_run):
+    _, trace = tiny_run
+    result = python(str(BENCH / "kernel_breakdown.py"), str(trace), "--steps", "2", timeout=60)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert f"no GPU kernels in {trace}: a trace of a run on the CPU has none" in result.stderr
+
+
+@pytest.mark.slow
+def test_moe_ep_expert_parallel_curve_on_the_cpu():
+    out = succeeded(python(str(BENCH / "moe_ep.py"), "--recipe", "tiny_moe", "--iters", "5", "--ep", "2",
+                           "--curves-only", "--", "model.use_cpu_initialization=true", env=ONE_THREAD, timeout=300))
+    assert re.search(r"^one GPU +[0-9.]+ +[0-9,]+ ", out, re.M) and re.search(r"^EP=2 on 2 GPUs +[0-9.]+ ", out, re.M)
+    assert re.search(r"^EP=2 megatron-core timers .*: forward-backward [0-9.]+", out, re.M), out
+    assert len(re.search(r"^EP=2 losses: (.*)$", out, re.M).group(1).split()) == 5
+    difference = re.search(r"largest relative difference from one GPU: EP=2 ([0-9.e+-]+)$", out, re.M)
+    assert difference and float(difference.group(1)) < 1e-4, out  # fp32 on the CPU: the same curve
+
+
+@pytest.mark.slow
+def test_layouts_on_the_cpu():
+    out = succeeded(python(str(BENCH / "layouts.py"), "--recipe", "tiny", "--iters", "4", "--log-interval", "1",
+                           "--layouts", "1", "tp2", env=ONE_THREAD, timeout=300))
+    assert "no GPU visible: the layouts run one after another on the CPU (gloo)" in out
+    results = json.loads(out.split("RESULTS ", 1)[1])
+    assert all("failed" not in results[name] for name in ("1", "tp2")), out[-4000:]
+    one, tp2 = results["1"]["loss"], results["tp2"]["loss"]
+    assert sorted(one) == sorted(tp2) == ["1", "2", "3", "4"]
+    assert all(tp2[i] == pytest.approx(one[i], rel=1e-4) for i in one), (one, tp2)
+
+
+@pytest.mark.slow
+def test_sft_packing_on_the_cpu():
+    out = succeeded(python(str(BENCH / "sft_packing.py"), "--recipe", "tiny", "--seq", "128", "--records", "64",
+                           "--steps", "2", "--warmup", "1", "--global-batch", "4", env=ONE_THREAD, timeout=300))
+    per_row = float(re.search(r"([0-9.]+) samples per packed row of 128", out).group(1))
+    results = json.loads(out.split("RESULTS ", 1)[1])
+    assert per_row > 2 and results["padded"]["samples_s"] > 0
+    assert results["packed"]["samples_s"] / results["packed"]["rows_s"] == pytest.approx(per_row, abs=0.005)
+
+
+@pytest.mark.slow
+def test_linear_cross_entropy_on_the_cpu():
+    # its CPU setting at a smaller vocabulary and batch: two chunks of 256 tokens
+    out = succeeded(python(str(BENCH / "linear_cross_entropy.py"), "model.vocab_size=16384", "model.seq_length=128",
+                           "train.micro_batch_size=4", "train.global_batch_size=4", "train.train_iters=3",
+                           "model.linear_cross_entropy_chunk=256", env=ONE_THREAD, timeout=300))
+    for setting in ("unfused", "fused"):
+        assert re.search(rf"^{setting} +[0-9.]+ +[0-9.]+$", out, re.M), out
+    assert re.search(r"^fused: -?[0-9.]+ GiB less at its peak, [0-9.]+x the unfused time", out, re.M), out
+
+
+MOE_PROXY_ON_THE_CPU = [  # moe_proxy at a CPU's size, in fp32
+    "mixed_precision=fp32", "model.hidden_size=64", "model.ffn_hidden_size=128", "model.num_attention_heads=4",
+    "model.num_query_groups=2", "model.kv_channels=16", "model.vocab_size=1024", "model.seq_length=128",
+    "model.num_moe_experts=4", "model.moe_router_topk=2", "model.moe_ffn_hidden_size=32",
+    "model.gradient_accumulation_fusion=false", "scheduler.lr_warmup_iters=0"]
+
+
+@pytest.mark.slow
+def test_moe_experts_on_the_cpu():
+    out = succeeded(python(str(BENCH / "moe_experts.py"), "--layers", "1", "--steps", "1", "--warmup", "1",
+                           "--only", "grouped, eager, mbs 1", "--only", "SequentialMLP", "--", *MOE_PROXY_ON_THE_CPU,
+                           env=ONE_THREAD, timeout=300))
+    for arm in ("grouped, eager, mbs 1", "SequentialMLP"):
+        assert re.search(rf"^{re.escape(arm)} +[0-9.]+ ms/step +[0-9,]+ tok/s/gpu", out, re.M), out
+    assert re.search(r"^SequentialMLP +tokens/s / SequentialMLP's: 1\.00x$", out, re.M), out
