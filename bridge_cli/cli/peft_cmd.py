@@ -31,3 +31,29 @@ def merge(
     _, container = load_config(overrides, recipes_dir)
     path = merge_adapters(container, str(adapters), str(output), str(base) if base else None)
     typer.echo(f"wrote the merged model to {path}")
+
+
+@app.command("export-hf")
+@handles_user_errors
+def export_hf(
+    adapters: Annotated[Path, typer.Argument(help="The adapter checkpoint folder (a peft=lora run's save folder).")],
+    out_dir: Annotated[Path, typer.Argument(help="New (or empty) folder for adapter_config.json and "
+                                                 "adapter_model.safetensors.")],
+    ckpt_step: Annotated[Optional[int], typer.Option(help="Iteration to export (default: the latest).")] = None,
+    model_type: Annotated[Optional[str], typer.Option(
+        help="Family whose module names the adapters take (default: the one export-hf writes the base as).")] = None,
+    base_model: Annotated[Optional[str], typer.Option(
+        help="Written as base_model_name_or_path: the base model's folder (its export-hf) or Hub name.")] = None,
+    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks.")] = False,
+) -> None:
+    """Write LoRA adapters as a Hugging Face PEFT folder: `bridge peft export-hf ADAPTERS OUT`."""
+    from bridge_cli.runtime.mcore_import import import_megatron_core
+
+    import_megatron_core(runs_model=False)  # converts weights, runs no model: the fused kernels stay uncompiled
+    from bridge_cli.peft.hf_peft import export_peft
+
+    done = export_peft(adapters, out_dir, ckpt_step, model_type, base_model)
+    typer.echo(f"exported the LoRA adapters of {done.checkpoint} for {done.model_type} to {done.out_dir} "
+               f"(on {', '.join(done.target_modules)})\n"
+               f"load them: peft.PeftModel.from_pretrained(base, {str(done.out_dir)!r}), base being the "
+               "transformers model of the base's export-hf")

@@ -12,7 +12,7 @@ import functools
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from bridge_cli.checkpoint import state_dict, verify
 from bridge_cli.checkpoint.errors import CheckpointError
@@ -134,17 +134,19 @@ def load_weights(model, model_cfg, path: Path) -> None:
     model.load_state_dict(loaded["model"], strict=True)
 
 
-def stream_weights(model, model_cfg, path: Path) -> Iterator[dict[str, Any]]:
+def stream_weights(model, model_cfg, path: Path,
+                   select: Optional[Callable[[str], bool]] = None) -> Iterator[dict[str, Any]]:
     """The weights of checkpoint ``path`` for ``model`` (one process, built from ``model_cfg``),
     read one decoder layer at a time (see :mod:`~bridge_cli.convert.layer_reader`):
-    ``{parameter name: tensor}`` per layer, and per tensor outside the layers, in the model's order.
+    ``{parameter name: tensor}`` per layer, and per tensor outside the layers, in the model's order;
+    only the parameters whose name ``select`` takes, where given (a LoRA checkpoint's adapters).
 
     Checked as load_weights checks. A group is read when it is asked for and is the caller's to
     drop, so the model is never resident whole (its own storage is never written).
     """
     from bridge_cli.convert.layer_reader import read_by_layer
 
-    template = _checked_template(model, model_cfg, path)["model"]
+    template = _checked_template(model, model_cfg, path, select)["model"]
     params = set(weights(model))
     groups = read_by_layer({name: value for name, value in template.items() if name in params}, path)
     with _quiet_loading():
@@ -152,13 +154,15 @@ def stream_weights(model, model_cfg, path: Path) -> Iterator[dict[str, Any]]:
             yield group
 
 
-def _checked_template(model, model_cfg, path: Path) -> dict:
-    """``{"model": model's sharded state dict}`` for checkpoint ``path``, whose files and shapes match."""
+def _checked_template(model, model_cfg, path: Path, select: Optional[Callable[[str], bool]] = None) -> dict:
+    """``{"model": model's sharded state dict}`` (the entries ``select`` takes, where given) for checkpoint
+    ``path``, whose files and shapes match."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
 
     verify.check_files(path)
-    template = {"model": model.sharded_state_dict(metadata=_read(path, dist_checkpointing.load_content_metadata))}
+    sharded = model.sharded_state_dict(metadata=_read(path, dist_checkpointing.load_content_metadata))
+    template = {"model": {name: entry for name, entry in sharded.items() if select is None or select(name)}}
     stored = _read(path, load_sharded_metadata)
     verify.check_model_matches(path, template, stored, model_cfg, verify.saved_config(path))
     return template
