@@ -20,11 +20,10 @@ def check_layer_options(model) -> None:
         if getattr(model, key) not in (None, False) and spec == "te":
             raise ConfigError(f"model.{key}", "is built into the local and torch layer specs only, and model.spec=te.",
                               "Set model.spec=torch.")
-    if model.multi_latent_attention and spec != "te":
-        raise ConfigError("model.multi_latent_attention", f"needs Transformer Engine's layers (model.spec=te): "
-                          f"megatron-core's multi-latent attention on the {spec} spec neither builds (it checks for "
-                          "Transformer Engine's linear class) nor has the latent q/kv norms.",
-                          "Set model.spec=te on a machine with transformer_engine, or model.multi_latent_attention=false.")
+    if model.multi_latent_attention and spec == "local":
+        raise ConfigError("model.multi_latent_attention", "needs the torch or te layer spec: the local spec's core "
+                          "attention takes one head size for keys and values, and multi-latent attention has two "
+                          "(bridge_cli/models/mla.py).", "Set model.spec=torch.")
     if model.attn_logit_softcapping is not None and spec != "torch":
         raise ConfigError("model.attn_logit_softcapping", f"is applied by the torch layer spec's attention only, and "
                           f"model.spec={spec}.", "Set model.spec=torch.")

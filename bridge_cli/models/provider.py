@@ -33,6 +33,9 @@ class GPTModelProvider(MLATransformerConfig):
     multi_latent_attention: bool = False
     """Multi-latent attention (DeepSeek-V2/V3): low-rank query and key/value projections."""
 
+    q_lora_rank: Optional[int] = 512
+    """MLA: rank of the low-rank query projection; None projects the queries directly (DeepSeek-V2-Lite)."""
+
     normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
     """Which norm to use for normalization layers, valid options are `LayerNorm` and `RMSNorm`."""
 

@@ -19,6 +19,9 @@
 ``model.fused_single_qkv_rope=true`` splits the QKV projection and applies RoPE with Transformer Engine's
 kernel where it has one, else :mod:`bridge_cli.models.qkv_rope`'s, on every spec.
 
+``model.multi_latent_attention=true`` on ``torch`` builds megatron-core's ``MLASelfAttention`` with this core
+attention (:mod:`bridge_cli.models.mla`); ``local`` refuses it.
+
 ``model.fp8`` on ``local`` and ``torch`` runs the attention and MLP linears as FP8 GEMMs
 (:mod:`bridge_cli.models.fp8_linear`).
 
@@ -105,6 +108,8 @@ def layer_spec(name: str, config: TransformerConfig, vp_stage: Optional[int] = N
         return spec
     if config.num_moe_experts:
         _use_sequence_parallel_norms(spec, layers)
+    if config.multi_latent_attention:
+        _use_torch_mla(name, config, layers)
     for layer in layers:
         _check_sequence_parallel(name, layer, config)
         if name == "torch":
@@ -118,6 +123,17 @@ def layer_spec(name: str, config: TransformerConfig, vp_stage: Optional[int] = N
         if config.fp8:
             _use_fp8_linears(layer, config)
     return _use_layer_options(spec, layers, config, vp_stage)
+
+
+def _use_torch_mla(name: str, config: TransformerConfig, layers: list) -> None:
+    """Multi-latent attention on the torch spec: megatron-core's MLASelfAttention with this project's core
+    attention and Transformer Engine's checkpoint keys (:mod:`bridge_cli.models.mla`)."""
+    from bridge_cli.models import mla
+
+    mla.check_config(config, name)
+    mla.allow_without_transformer_engine()
+    dense = [layer for layer in layers if not hasattr(_submodules(layer.submodules.mlp), "experts")]
+    mla.use_torch_mla(layers, dense)
 
 
 def _use_fp8_linears(layer: ModuleSpec, config: TransformerConfig) -> None:

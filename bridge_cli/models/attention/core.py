@@ -58,6 +58,8 @@ class TorchAttention(MegatronModule):
         softmax_scale: float | None = None,
         cp_comm_type: str | None = None,
         pg_collection=None,
+        k_channels: int | None = None,
+        v_channels: int | None = None,
         **unused,
     ):
         super().__init__(config=config)
@@ -66,13 +68,16 @@ class TorchAttention(MegatronModule):
         self.window = layer_window(config, layer_number)
         # Megatron's query-key layer scaling divides the scale by the layer number and
         # multiplies it back inside the softmax; the product is the plain scale.
-        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
+        # MLA's heads: keys of k_channels (its qk_head_dim + qk_pos_emb_head_dim), values of v_channels
+        k_channels, v_channels = k_channels or config.kv_channels, v_channels or config.kv_channels
+        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(k_channels)
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
         backend = getattr(config, "sdpa_backend", "auto")
         # None lets torch pick per call; built here so that a call only enters the context.
         self.backends = None if backend == "auto" else [BACKENDS[backend]]
         if self.backends:
-            check_backend(backend, config.params_dtype, self.dropout_p > 0, *heads_per_rank(config), config.kv_channels)
+            check_backend(backend, config.params_dtype, self.dropout_p > 0, *heads_per_rank(config), k_channels,
+                          v_channels)
         self.tp_group = getattr(pg_collection, "tp", None)
         self.cp_group = _context_parallel_group(pg_collection, config)
         self.cp_size = 1 if self.cp_group is None else torch.distributed.get_world_size(self.cp_group)

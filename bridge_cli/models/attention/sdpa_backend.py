@@ -32,14 +32,15 @@ def heads_per_rank(config) -> tuple[int, int]:
 
 
 @functools.lru_cache(maxsize=None)
-def check_backend(name: str, dtype: torch.dtype, dropout: bool, heads: int, groups: int, head_dim: int) -> None:
+def check_backend(name: str, dtype: torch.dtype, dropout: bool, heads: int, groups: int, head_dim: int,
+                  value_dim: int | None = None) -> None:
     """Refuse ``model.sdpa_backend=name`` where its kernel cannot run this attention; torch's own
     error would come at the first step and name no key."""
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            return _probe(BACKENDS[name], device, dtype, dropout, heads, groups, head_dim)
+            return _probe(BACKENDS[name], device, dtype, dropout, heads, groups, head_dim, value_dim or head_dim)
         except RuntimeError:
             pass
     # torch warns why it skipped each kernel: the first sentence of each, less those this check turned off
@@ -52,14 +53,17 @@ def check_backend(name: str, dtype: torch.dtype, dropout: bool, heads: int, grou
     )
 
 
-def _probe(backend: SDPBackend, device, dtype, dropout: bool, heads: int, groups: int, head_dim: int) -> None:
-    """One small causal attention, forward and backward, that only ``backend`` may run."""
+def _probe(backend: SDPBackend, device, dtype, dropout: bool, heads: int, groups: int, head_dim: int,
+           value_dim: int) -> None:
+    """One small causal attention, forward and backward, that only ``backend`` may run (values of ``value_dim``:
+    MLA's differ from its keys)."""
     gqa = groups != heads and SDPA_HAS_GQA
     q = torch.zeros(1, heads, 16, head_dim, dtype=dtype, device=device, requires_grad=True)
-    kv = torch.zeros(1, groups if gqa else heads, 16, head_dim, dtype=dtype, device=device, requires_grad=True)
+    k = torch.zeros(1, groups if gqa else heads, 16, head_dim, dtype=dtype, device=device, requires_grad=True)
+    v = torch.zeros(1, groups if gqa else heads, 16, value_dim, dtype=dtype, device=device, requires_grad=True)
     # fork_rng: a dropout probe must not move the generator the run's dropout masks are drawn from
     with torch.enable_grad(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
             sdpa_kernel([backend]):
-        out = F.scaled_dot_product_attention(q, kv, kv, dropout_p=0.5 if dropout else 0.0, is_causal=True,
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=0.5 if dropout else 0.0, is_causal=True,
                                              **({"enable_gqa": True} if gqa else {}))
         out.sum().backward()
