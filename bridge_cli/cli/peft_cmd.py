@@ -50,7 +50,7 @@ def export_hf(
     from bridge_cli.runtime.mcore_import import import_megatron_core
 
     import_megatron_core(runs_model=False)  # converts weights, runs no model: the fused kernels stay uncompiled
-    from bridge_cli.peft.hf_peft import export_peft
+    from bridge_cli.convert.peft_export import export_peft
 
     done = export_peft(adapters, out_dir, ckpt_step, model_type, base_model)
     typer.echo(f"exported the LoRA adapters of {done.checkpoint} for {done.model_type} to {done.out_dir} "
