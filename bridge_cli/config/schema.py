@@ -7,6 +7,7 @@ import functools
 from typing import Any, Optional
 
 from bridge_cli.config.checkpoint_config import CheckpointConfig
+from bridge_cli.config.comm_overlap_config import CommOverlapConfig
 from bridge_cli.config.data_configs import (
     FinetuningDatasetConfig,
     GPTDatasetConfig,
@@ -39,6 +40,7 @@ SECTIONS: dict[str, type] = {
     "straggler": StragglerDetectionConfig,
     "nvrx_straggler": NVRxStragglerDetectionConfig,
     "profiling": ProfilingConfig,
+    "comm_overlap": CommOverlapConfig,
 }
 """Sections whose schema is a dataclass of this project."""
 

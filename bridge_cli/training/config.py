@@ -16,6 +16,7 @@ from megatron.core.distributed import DistributedDataParallelConfig
 
 from bridge_cli.config import mcore_schema
 from bridge_cli.config.checkpoint_config import CheckpointConfig
+from bridge_cli.config.comm_overlap_config import CommOverlapConfig
 from bridge_cli.config.data_configs import (
     DataloaderConfig,
     FinetuningDatasetConfig,
@@ -41,7 +42,7 @@ from bridge_cli.runtime.optimizer_config import OptimizerConfig
 from bridge_cli.training.validation import Derived, data_parallel_size, validate_and_derive
 
 __all__ = [
-    "CheckpointConfig", "ConfigContainer", "DataloaderConfig", "DistributedInitConfig",
+    "CheckpointConfig", "CommOverlapConfig", "ConfigContainer", "DataloaderConfig", "DistributedInitConfig",
     "FaultToleranceConfig", "FinetuningDatasetConfig", "GPTDatasetConfig", "LoggerConfig", "LoRAConfig",
     "MockGPTDatasetConfig", "NVRxStragglerDetectionConfig", "ProfilingConfig",
     "RerunStateMachineConfig", "RNGConfig", "SchedulerConfig", "StragglerDetectionConfig",
@@ -73,6 +74,7 @@ class ConfigContainer:
     profiling: Optional[ProfilingConfig] = None
     peft: Optional[LoRAConfig] = None
     mixed_precision: Optional[str] = None
+    comm_overlap: Optional[CommOverlapConfig] = None
 
     derived: Optional[Derived] = field(default=None, init=False, repr=False)
     """Set by validate(): the values this run derives from the config (the config itself is never written)."""

@@ -3,7 +3,8 @@
 It checks every rule a run would hit before its first step (sections, cross-field rules, the
 device table, model shapes megatron-core would only trip over while building the model) and
 returns the values a run derives from the config, frozen. The config itself is never written:
-what a tokenizer, the world size or the batch sizes imply lives in :class:`Derived`.
+what a tokenizer, the world size or the batch sizes imply lives in :class:`Derived`. The one exception is
+the comm_overlap section, whose set fields stand for model, ddp and optimizer fields and are written onto them.
 ``bridge config validate``, ``--dry-run`` and a real run all call it, so they refuse the same things.
 """
 
@@ -14,6 +15,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from bridge_cli.config.comm_overlap_config import apply_comm_overlap
 from bridge_cli.config.errors import ConfigError
 from bridge_cli.config.fields import check_section
 from bridge_cli.config.ranges import check_ranges
@@ -64,6 +66,8 @@ class Derived:
     model: Any = dataclasses.field(compare=False, repr=False)
     """The GPTModelProvider the run builds: the model section with the tokenizer's vocabulary and,
     on the CPU, megatron-core's CPU initialization. megatron-core attaches its runtime hooks to it."""
+    comm_overlap: dict = dataclasses.field(default_factory=dict, compare=False)
+    """{model/ddp/optimizer key: value} that the comm_overlap section set (bridge_cli/config/comm_overlap_config.py)."""
 
     def as_dict(self) -> dict[str, Any]:
         """The values --dry-run prints and run_config.yaml records."""
@@ -76,6 +80,7 @@ class Derived:
             "vocab_size": self.vocab_size,
             "padded_vocab_size": self.padded_vocab_size,
             "scheduler_steps": {name: getattr(self, name) for name in SCHEDULER_STEP_FIELDS},
+            **({"comm_overlap": dict(self.comm_overlap)} if self.comm_overlap else {}),
         }
 
 
@@ -96,6 +101,7 @@ def validate_and_derive(cfg, world_size: int, device: str) -> Derived:
     check_device(cfg, device)
     vocab_size = _vocab_size(cfg)
     dp = data_parallel_size(cfg.model, world_size)
+    comm_overlap = apply_comm_overlap(cfg, dp)
     _check_model_shape(cfg.model)
     check_launcher_fields(cfg.model, cfg.ddp, device)
     check_moe(cfg.model, world_size)
@@ -116,7 +122,7 @@ def validate_and_derive(cfg, world_size: int, device: str) -> Derived:
     model = _run_model(cfg.model, vocab_size, device)
     return Derived(world_size=world_size, device=device, data_parallel_size=dp, num_microbatches=microbatches,
                    global_batch_size=global_batch, vocab_size=vocab_size, padded_vocab_size=model.padded_vocab_size,
-                   **steps, model=model)
+                   **steps, model=model, comm_overlap=comm_overlap)
 
 
 def _check_export_family(model_type: Optional[str]) -> None:
