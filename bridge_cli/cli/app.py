@@ -15,8 +15,8 @@ import typer
 
 from bridge_cli.cli import config_cmd, peft_cmd, recipes_cmd
 from bridge_cli.cli import preprocess_cmd
-from bridge_cli.cli.config_loading import (DeviceOption, Overrides, RecipesDir, WorldSize, is_rank_zero, load_config,
-                                           print_dry_run)
+from bridge_cli.cli.config_loading import (DeviceOption, GpuMemory, Overrides, RecipesDir, WorldSize, check_gpu_memory,
+                                           is_rank_zero, load_config, print_dry_run, print_memory)
 from bridge_cli.cli.convert_cmd import app as convert_app
 from bridge_cli.cli.errors import handles_user_errors
 
@@ -50,33 +50,35 @@ Resume = Annotated[ResumeMode, typer.Option(
 @app.command()
 @handles_user_errors
 def pretrain(overrides: Overrides = None, recipes_dir: RecipesDir = None, dry_run: DryRun = False,
-             world_size: WorldSize = None, device: DeviceOption = None, resume: Resume = ResumeMode.auto,
-             debug: Debug = False) -> None:
+             world_size: WorldSize = None, device: DeviceOption = None, gpu_memory: GpuMemory = None,
+             resume: Resume = ResumeMode.auto, debug: Debug = False) -> None:
     """Pretrain a model: `bridge pretrain recipe=tiny train.train_iters=50`."""
-    _train("pretrain", overrides, recipes_dir, dry_run, world_size, device, resume)
+    _train("pretrain", overrides, recipes_dir, dry_run, world_size, device, gpu_memory, resume)
 
 
 @app.command()
 @handles_user_errors
 def finetune(overrides: Overrides = None, recipes_dir: RecipesDir = None, dry_run: DryRun = False,
-             world_size: WorldSize = None, device: DeviceOption = None, resume: Resume = ResumeMode.auto,
-             debug: Debug = False) -> None:
+             world_size: WorldSize = None, device: DeviceOption = None, gpu_memory: GpuMemory = None,
+             resume: Resume = ResumeMode.auto, debug: Debug = False) -> None:
     """Fine-tune from a pretrained checkpoint: `bridge finetune recipe=tiny checkpoint.pretrained_checkpoint=DIR
     dataset=finetune dataset.dataset_root=DATA` (add peft=lora for LoRA)."""
-    _train("finetune", overrides, recipes_dir, dry_run, world_size, device, resume)
+    _train("finetune", overrides, recipes_dir, dry_run, world_size, device, gpu_memory, resume)
 
 
-def _train(entry: str, overrides, recipes_dir, dry_run: bool, world_size, device, resume: ResumeMode) -> None:
+def _train(entry: str, overrides, recipes_dir, dry_run: bool, world_size, device, gpu_memory,
+           resume: ResumeMode) -> None:
     """pretrain and finetune: compose and validate, stop at --dry-run, apply --resume, then call
     bridge_cli.training's entry point of that name with the GPT forward step."""
     import importlib
 
-    _check_device_is_for_dry_run(dry_run, device)
+    _check_dry_run_options(dry_run, device, gpu_memory)
     recipe, container = load_config(overrides, recipes_dir, world_size, runs_model=not dry_run, device=device,
                                     resume=None if dry_run else resume.value)
     if dry_run:
         if is_rank_zero():
             print_dry_run(recipe, container)
+            print_memory(container, gpu_memory)
         return
     from bridge_cli.training.gpt_step import forward_step
 
@@ -94,7 +96,7 @@ def evaluate(overrides: Overrides = None, recipes_dir: RecipesDir = None, dry_ru
     a checkpoint, or a Hugging Face model folder)."""
     from bridge_cli.runtime.output_paths import check_output_file
 
-    _check_device_is_for_dry_run(dry_run, device)
+    _check_dry_run_options(dry_run, device)
     check_output_file("--output", output)
     recipe, container = load_config(overrides, recipes_dir, world_size, runs_model=not dry_run, device=device,
                                     hf_load=True)
@@ -111,12 +113,16 @@ def evaluate(overrides: Overrides = None, recipes_dir: RecipesDir = None, dry_ru
         print_report(report, output)
 
 
-def _check_device_is_for_dry_run(dry_run: bool, device) -> None:
-    if device is not None and not dry_run:
-        from bridge_cli.config.errors import ConfigError
+def _check_dry_run_options(dry_run: bool, device, gpu_memory=None) -> None:
+    from bridge_cli.config.errors import ConfigError
 
+    if device is not None and not dry_run:
         raise ConfigError("--device", "only applies with --dry-run: a run uses the device it finds.",
                           "Add --dry-run, or drop --device.")
+    if gpu_memory is not None and not dry_run:
+        raise ConfigError("--gpu-memory", "only applies with --dry-run: a run uses the GPU it finds.",
+                          "Add --dry-run, or drop --gpu-memory.")
+    check_gpu_memory(gpu_memory)
 
 
 app.add_typer(convert_app, name="convert-ckpt")

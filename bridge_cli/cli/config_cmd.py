@@ -6,7 +6,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from bridge_cli.cli.config_loading import DeviceOption, Overrides, RecipesDir, WorldSize, load_config
+from bridge_cli.cli.config_loading import (DeviceOption, GpuMemory, Overrides, RecipesDir, WorldSize, check_gpu_memory,
+                                           load_config, memory_advice)
 from bridge_cli.cli.errors import handles_user_errors
 
 app = typer.Typer(help="Validate configs and read field documentation.", no_args_is_help=True)
@@ -15,9 +16,19 @@ app = typer.Typer(help="Validate configs and read field documentation.", no_args
 @app.command()
 @handles_user_errors
 def validate(overrides: Overrides = None, recipes_dir: RecipesDir = None, world_size: WorldSize = None,
-             device: DeviceOption = None, debug: bool = False) -> None:
-    """Compose and validate quietly, as a run would: exit 0 when valid, 2 with the reason when not."""
-    load_config(overrides, recipes_dir, world_size, runs_model=False, device=device)
+             device: DeviceOption = None, gpu_memory: GpuMemory = None, debug: bool = False) -> None:
+    """Compose and validate quietly, as a run would: exit 0 when valid, 2 with the reason when not. On cuda, a
+    layout whose memory estimate is over the GPU's memory by more than the estimate's error is not valid; one
+    within that error gets a warning."""
+    from bridge_cli.config.errors import ConfigError
+
+    check_gpu_memory(gpu_memory)
+    _, container = load_config(overrides, recipes_dir, world_size, runs_model=False, device=device)
+    advice = memory_advice(container, gpu_memory)
+    if advice is not None and advice.verdict == "will not fit":
+        raise ConfigError(None, advice.message())
+    if advice is not None and advice.message():
+        typer.secho(f"warning: {advice.message()}", fg=typer.colors.YELLOW, err=True)
 
 
 @app.command()

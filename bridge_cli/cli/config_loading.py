@@ -29,6 +29,11 @@ DeviceOption = Annotated[Optional[Device], typer.Option(
                      "checks a GPU run's config from a CPU machine.")]
 
 
+GpuMemory = Annotated[Optional[float], typer.Option(
+    "--gpu-memory", help="GiB per GPU to check the memory estimate against, with --device cuda (default: GPU 0 of "
+                         "this machine, else 80).")]
+
+
 def is_rank_zero() -> bool:
     return os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"
 
@@ -94,3 +99,32 @@ def print_dry_run(recipe: str, container) -> None:
                                         "(model) < command-line")
     print(f"# recipe: {recipe}\n# precedence: {precedence}")
     print(OmegaConf.to_yaml({"derived": container.derived.as_dict()}), end="")
+
+
+def check_gpu_memory(gpu_memory: Optional[float]) -> None:
+    if gpu_memory is not None and not gpu_memory > 0:
+        from bridge_cli.config.errors import ConfigError
+
+        raise ConfigError("--gpu-memory", f"must be a number of GiB above 0, got {gpu_memory}.",
+                          "e.g. --gpu-memory 80.")
+
+
+def memory_advice(container, gpu_memory: Optional[float]):
+    """The memory estimate of a validated training config against the GPU (None on the CPU, which it does not
+    estimate); see bridge_cli.training.layout_advice."""
+    if container.derived.device != "cuda":
+        return None
+    from bridge_cli.training.layout_advice import advise, gpu_memory as gpu_size
+
+    return advise(container, container.derived.world_size, *gpu_size(gpu_memory))
+
+
+def print_memory(container, gpu_memory: Optional[float]) -> None:
+    """--dry-run's memory block on stdout; a layout that may not or will not fit gets a warning on stderr too
+    (a dry run is a question: its exit code stays 0)."""
+    advice = memory_advice(container, gpu_memory)
+    if advice is None:
+        return
+    print("\n".join(advice.lines()))
+    if advice.message():
+        typer.secho(f"warning: {advice.message()}", fg=typer.colors.YELLOW, err=True)
