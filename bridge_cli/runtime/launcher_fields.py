@@ -19,6 +19,8 @@ NOT_SET_UP = {
                        "Engine's graphed callables), which bridge does not run; whole-step graphs measured within 1% of "
                        "eager on gpt2_124m (docs/performance.md)",
     "use_inference_optimized_layers": "selects megatron-core's inference layers; bridge trains",
+    "overlap_moe_expert_parallel_comm": "runs megatron-core's combined 1F1B schedule, which needs a forward step that "
+                                        "builds its schedule plan; bridge's forward step does not",
     "hierarchical_context_parallel_sizes": "sizes the groups of Transformer Engine's a2a+p2p context parallelism; "
                                            "bridge's context parallelism all-gathers keys and values over one group",
 }
