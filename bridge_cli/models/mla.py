@@ -24,11 +24,19 @@ Transformer Engine, or gets wrong without it, is fixed here, in one place:
 The down projections are column-parallel as in megatron-core's local spec: under tensor parallelism each
 rank computes part of the latents and they are all-gathered, so ``q_lora_rank`` and
 ``kv_lora_rank + qk_pos_emb_head_dim`` must be multiples of the tensor-parallel size (refused otherwise).
+megatron-core gathers the key/value latent with ``gather_from_tensor_model_parallel_region``, whose backward
+keeps this rank's columns of this rank's gradient; but the RoPE key shared by all heads gets from each rank the
+gradient of that rank's heads only, so the columns of the RoPE key learnt from part of the heads (the losses
+drifted from one process's by 1e-4 from the second step at TP=2). :class:`TorchMLASelfAttention` gathers the
+latent itself, right after ``linear_kv_down_proj``, with a backward that sums the RoPE key's gradient over the
+tensor-parallel ranks (under sequence parallelism megatron-core's own gather of the RoPE key sums it, and the
+latent is scattered back to this rank's tokens, as Transformer Engine's duplicated projection leaves it).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
 from bridge_cli.models.attention.masks import DocumentParams
@@ -93,6 +101,19 @@ class TorchMLASelfAttention(MLASelfAttention):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.rotary_pos_emb = DocumentRotary(self.rotary_pos_emb)
+        if self.tp_group is not None and self.tp_group.size() > 1:
+            self.linear_kv_down_proj.register_forward_hook(self._whole_kv_latent)
+
+    def _whole_kv_latent(self, module, args, output):
+        """``linear_kv_down_proj``'s output with every rank's columns (see the module's doc)."""
+        from megatron.core.tensor_parallel.mappings import (gather_from_tensor_model_parallel_region,
+                                                            scatter_to_sequence_parallel_region)
+
+        columns, bias = output
+        if self.config.sequence_parallel:
+            whole = gather_from_tensor_model_parallel_region(columns, group=self.tp_group)
+            return scatter_to_sequence_parallel_region(whole, group=self.tp_group), bias
+        return _GatherLatent.apply(columns, self.tp_group, self.config.qk_pos_emb_head_dim), bias
 
     def get_query_key_value_tensors(self, hidden_states, key_value_states=None, position_ids=None,
                                     packed_seq_params=None, inference_context=None, **kwargs):
@@ -129,3 +150,24 @@ class DocumentRotary(torch.nn.Module):
         table = table[0] if isinstance(table, tuple) else table  # YaRN's comes with its cos/sin scale
         emb = table[:, 0][self.positions.t()]
         return (emb, out[1]) if isinstance(out, tuple) else emb
+
+
+class _GatherLatent(torch.autograd.Function):
+    """All-gather the key/value latent's columns over ``group``; the backward sums the last ``rope`` columns' gradient
+    (the RoPE key's, which each rank has for its own heads only) over the group and keeps this rank's columns."""
+
+    @staticmethod
+    def forward(ctx, columns: torch.Tensor, group, rope: int) -> torch.Tensor:
+        ctx.group, ctx.rope = group, rope
+        parts = [torch.empty_like(columns) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, columns.contiguous(), group=group)
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.clone()
+        rope = grad[..., -ctx.rope:].contiguous()
+        dist.all_reduce(rope, group=ctx.group)
+        grad[..., -ctx.rope:] = rope
+        size, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
+        return grad.chunk(size, dim=-1)[rank].contiguous(), None, None
