@@ -207,6 +207,18 @@ def test_config_validate_refuses_what_will_not_fit_and_warns_on_what_may_not(cli
     assert cli("config", "validate", "recipe=llama1b", "--device", "cuda", "--gpu-memory", "80").stderr == ""
 
 
+def test_the_gpu_size_is_this_machines_gpu_else_80_gib(cli):
+    import torch
+
+    result = cli("pretrain", "recipe=tiny", "--dry-run", "--device", "cuda")
+    assert result.exit_code == 0, result.output
+    gpu = re.search(r"^  gpu: .*$", result.stdout, re.M).group(0)
+    if torch.cuda.is_available():
+        assert gpu.endswith("GPU 0 of this machine"), gpu
+    else:
+        assert gpu == "  gpu: 80.0  # no GPU visible: 80 GiB unless --gpu-memory says otherwise"
+
+
 def test_the_cpu_gets_no_estimate_and_gpu_memory_needs_a_dry_run(cli):
     cpu = cli("pretrain", "recipe=tiny", "--dry-run", "--device", "cpu")
     assert cpu.exit_code == 0 and "memory_per_gpu" not in cpu.stdout
@@ -222,6 +234,15 @@ def test_finetune_dry_run_counts_only_the_adapters_gradients_and_state(cli):
     adapters = 2 * rank * ((h + q + kv) + (q + h) + (h + 2 * ffn) + (ffn + h))  # qkv, proj, fc1, fc2 of 2 layers
     assert lora.weights == full.weights and lora.gradients == 4 * adapters
     assert lora.optimizer_state == 12 * adapters
+
+
+def test_finetune_dry_run_with_lora_fits_llama8b_on_one_gpu(cli):
+    result = cli("finetune", "recipe=llama8b", "peft=lora", "--dry-run", "--device", "cuda", "--gpu-memory", "80")
+    assert result.exit_code == 0, result.output
+    # rank-32 adapters on QKV, projection, fc1 and fc2 of 32 layers: 32 x 32 x 65,536 = 67.1M trainable weights
+    for line in ("  weights: 15.0  # 8.03B parameters in bf16", "  gradients: 0.3  # fp32 buffer, adapters only",
+                 "  optimizer_state: 0.8", "  total: 54.1", "  verdict: fits"):
+        assert line in result.stdout, result.stdout[-1500:]
 
 
 TABLE_ROW = re.compile(r"^\| .*? \| `(bridge pretrain [^`]+)` \| [^|]+ \| [^|]+ \| ([0-9.]+) \| ([0-9.]+) "
