@@ -1,11 +1,14 @@
-"""CheckpointManager: when a run saves, and what it keeps between saves.
+"""CheckpointManager: when a run saves and stops, and what it keeps between saves.
 
 Built once per run from the checkpoint section and the run's model, optimizer, scheduler and
-progress counters. It decides when a checkpoint is due (``save_interval``, then
-``non_persistent_save_interval``), writes it through :func:`bridge_cli.checkpoint.save.write_checkpoint`,
-and owns the state saving needs across the run: the cached save plan, the async queue, which
+progress counters. It alone decides whether to save and whether to stop: after each step
+(:meth:`CheckpointManager.after_step`: the rerun state machine, an exit signal, ``save_interval``,
+``non_persistent_save_interval``, ``train.exit_duration_in_mins``, ``train.exit_interval``) and once
+training ends (:meth:`CheckpointManager.at_end`: the last step, unless saved). The loop carries its
+:class:`Decision` out. Saves go through :func:`bridge_cli.checkpoint.save.write_checkpoint`; the
+manager owns the state saving needs across the run: the cached save plan, the async queue, which
 folders had their interrupted saves cleared, the last saved step and the progress log
-(``logger.log_progress``). The loop decides when to stop; the manager only saves.
+(``logger.log_progress``).
 
 It also guards the folder: one run at a time per ``checkpoint.save`` (:mod:`folder_lock`), a
 save that fails (disk full, read-only, permissions) stops the run naming the folder, the cause and
@@ -16,9 +19,11 @@ last one) is refused before it starts.
 from __future__ import annotations
 
 import shutil
+import signal
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch.distributed as dist
 
@@ -27,6 +32,26 @@ from bridge_cli.checkpoint.adapters import AdapterPolicy
 from bridge_cli.checkpoint.errors import FolderInUse, SaveFailed
 from bridge_cli.checkpoint.save import save_root, write_checkpoint
 from bridge_cli.runtime.collectives import on_any_rank
+
+if TYPE_CHECKING:
+    from bridge_cli.config.loop_configs import TrainingConfig
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the run does now, as the CheckpointManager decides: after a step, or once training ends."""
+
+    save: bool = False
+    """Save the current step (always False without checkpoint.save)."""
+    non_persistent: bool = False
+    """Save it into the non-persistent folder (checkpoint.non_persistent_save_interval), not checkpoint.save."""
+    stop: bool = False
+    """Training stops here."""
+    exit_code: int = 0
+    """The process's exit code; not 0 only where the rerun state machine stops the run (16, 17)."""
+    reason: Optional[str] = None
+    """The line that says why training stops; None for the rerun state machine, whose line the loop writes
+    (it names the checkpoint saved, and the machine's state says what to do)."""
 
 
 class CheckpointManager:
@@ -49,11 +74,13 @@ class CheckpointManager:
         self._job_start: Optional[tuple[float, float]] = None
         self._last_size = 0
         self._locked = False
+        self._trained = False
+        self._rerun_stopped = False
         if cfg.save:
             self._lock()
 
     def close(self) -> None:
-        """Give the folder's lock back (however the run ended; pretrain() has finished the saves)."""
+        """Give the folder's lock back (however the run ended; train() has finished the saves)."""
         if self._locked:
             folder_lock.release(Path(self.cfg.save))
             self._locked = False
@@ -70,15 +97,55 @@ class CheckpointManager:
         if on_any_rank(refused is not None):
             raise refused or FolderInUse(f"checkpoint.save={self.cfg.save}: another run holds this folder (see rank 0).")
 
-    def due(self, step: int) -> Optional[str]:
-        """'persistent' or 'non-persistent' when ``step`` is a save step, else None."""
+    def after_step(self, train_cfg: "TrainingConfig", *, start_time: float, exit_signal=None,
+                   rerun_stop: Optional[tuple[bool, int]] = None) -> Decision:
+        """Whether to save ``train_state.step`` and whether to stop; one call per step, on every rank.
+
+        In order: the rerun state machine stopping the run in the middle of the next step
+        (``rerun_stop``, its should_checkpoint and exit code: save the step before it if it asks);
+        an exit signal that arrived on any rank (``exit_signal``, the loop's handler with the
+        ``signum`` received or None; None when the run watches no signal): save, stop; a save due at
+        ``save_interval`` (persistent), else at ``non_persistent_save_interval``; then
+        ``train.exit_duration_in_mins`` since ``start_time`` and ``train.exit_interval``, which save
+        first unless this step does already. Saving needs ``checkpoint.save``.
+        """
+        self.finalize(blocking=False)
+        step, save = self.train_state.step, bool(self.cfg.save)
+        if rerun_stop is not None:
+            should_checkpoint, exit_code = rerun_stop
+            self._rerun_stopped = True
+            return Decision(save=save and should_checkpoint, stop=True, exit_code=exit_code)
+        self._trained = True
+        if exit_signal is not None and on_any_rank(exit_signal.signum is not None):
+            name = signal.Signals(exit_signal.signum).name if exit_signal.signum else "a signal on another rank"
+            return Decision(save=save, stop=True, reason=f"exiting at iteration {step}: received {name}")
+        due = self._due(step)
+        minutes = train_cfg.exit_duration_in_mins
+        if minutes and on_any_rank(time.time() - start_time > minutes * 60):
+            return Decision(save=save, non_persistent=due.non_persistent, stop=True,
+                            reason=f"exiting at iteration {step}: train.exit_duration_in_mins={minutes} reached")
+        if train_cfg.exit_interval and step % train_cfg.exit_interval == 0:
+            return Decision(save=save, non_persistent=due.non_persistent, stop=True,
+                            reason=f"exiting at iteration {step} (train.exit_interval={train_cfg.exit_interval})")
+        return due
+
+    def at_end(self) -> Decision:
+        """Once training has stopped, however it did: save its last step, unless this run trained none,
+        that step is saved already, or the rerun state machine stopped the run (it asked for the
+        checkpoint it needs)."""
+        step = self.train_state.step
+        save = bool(self.cfg.save) and self._trained and not self._rerun_stopped and self.last_saved_step != step
+        return Decision(save=save, stop=True)
+
+    def _due(self, step: int) -> Decision:
+        """A save at ``save_interval`` (persistent), else at ``non_persistent_save_interval``."""
         if not self.cfg.save:
-            return None
+            return Decision()
         if self.cfg.save_interval and step % self.cfg.save_interval == 0:
-            return "persistent"
+            return Decision(save=True)
         if self.cfg.non_persistent_save_interval and step % self.cfg.non_persistent_save_interval == 0:
-            return "non-persistent"
-        return None
+            return Decision(save=True, non_persistent=True)
+        return Decision()
 
     def save(self, non_persistent: bool = False, data_iterator=None) -> Path:
         """Save model, optimizer, scheduler, RNG and progress at the current step, and the rerun state

@@ -69,14 +69,14 @@ def pretrain(config: ConfigContainer, forward_step_func: ForwardStepCallable) ->
 
     Evaluates on the validation split every ``train.eval_interval`` iterations and on the
     validation and test splits at the end. With ``checkpoint.save``, saves every
-    ``checkpoint.save_interval`` iterations, before an early exit, and once more at the end.
-    Exits the process only when the rerun state machine asks.
+    ``checkpoint.save_interval`` iterations, before an early exit, and once more at the end, as the
+    run's CheckpointManager decides. Exits the process only when the rerun state machine asks.
     """
     import torch
 
     from bridge_cli.runtime.errors import OutOfGPUMemory
     from bridge_cli.training.setup import setup
-    from bridge_cli.training.train import _run_evaluation, save_checkpoint_and_time, train
+    from bridge_cli.training.train import _run_evaluation, train
     from bridge_cli.logging.training_logger import TrainingLogger
     from bridge_cli.runtime.collectives import is_last_rank
 
@@ -88,20 +88,14 @@ def pretrain(config: ConfigContainer, forward_step_func: ForwardStepCallable) ->
         if is_last_rank():
             print(_describe(state, out.model), flush=True)
             print(out.startup.summary(), flush=True)
-        exit_code, ts, context, manager = 0, state.train_state, out.checkpointing_context, state.checkpoint_manager
+        exit_code, manager = 0, state.checkpoint_manager
         if config.logger.log_progress and config.checkpoint.save:
             manager.start_job()
-        first_step = ts.step
-        if not config.train.skip_train:
+        if not config.train.skip_train:  # returns with its saves complete
             exit_code = train(forward_step_func, out.model, out.optimizer, out.scheduler, out.train_data_iterator,
-                              out.valid_data_iterator, state, checkpointing_context=context)
-        if exit_code:  # the rerun state machine's decision: its checkpoint is complete before the exit
-            manager.finalize(blocking=True)
+                              out.valid_data_iterator, state, checkpointing_context=out.checkpointing_context)
+        if exit_code:  # the rerun state machine's decision
             sys.exit(exit_code)
-        if config.checkpoint.save and ts.step > first_step and manager.last_saved_step != ts.step:
-            save_checkpoint_and_time(state, out.model, out.optimizer, out.scheduler,
-                                     ts.floating_point_operations_so_far, context, train_data_iterator=out.train_data_iterator)
-        manager.finalize(blocking=True)  # the saves are complete before the final evaluation
         if state.train_state.step < config.train.train_iters and not config.train.skip_train:
             return  # exit signal, exit_interval, exit_duration_in_mins: stop now, as Megatron-LM does
         if config.checkpoint.export_hf_dir and not config.checkpoint.export_hf_each_save \

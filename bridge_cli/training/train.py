@@ -7,7 +7,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -17,13 +17,16 @@ from bridge_cli.logging.timers import timed
 from bridge_cli.logging.training_logger import TrainingDiverged, TrainingLogger
 from bridge_cli.training.forward_step_func_types import ForwardStepCallable
 from bridge_cli.training.profiling import StepProfiler
-from bridge_cli.runtime.collectives import is_last_rank, on_any_rank, weights_match_across_dp_replicas
+from bridge_cli.runtime.collectives import is_last_rank, weights_match_across_dp_replicas
 from bridge_cli.runtime.errors import OutOfGPUMemory
 from bridge_cli.training import rerun
 from bridge_cli.training.losses import grad_norm_is_finite, reduce_loss_dict
 from bridge_cli.training.state import GlobalState
 from bridge_cli.training.state_injection import prepare_forward_step_func
 from bridge_cli.models.flops import num_floating_point_operations
+
+if TYPE_CHECKING:
+    from bridge_cli.checkpoint.manager import Decision
 
 
 def train_step(forward_step_func: ForwardStepCallable, data_iterator, model: list, optimizer, scheduler,
@@ -132,7 +135,8 @@ def post_training_step_callbacks(model: list, iteration: int, global_state: Glob
 
 
 class ExitSignal:
-    """Remembers which of ``signums`` arrived first; the loop finishes the step, saves and stops.
+    """Remembers which of ``signums`` arrived first; after the step, the checkpoint manager has the loop
+    save and stop.
 
     Ctrl-C (SIGINT) among them says so; a second Ctrl-C exits at once (KeyboardInterrupt).
     """
@@ -210,52 +214,36 @@ def checkpoint_and_decide_exit(state: GlobalState, model: list, optimizer, opt_p
                                train_data_iterator=None) -> bool:
     """Save when a checkpoint is due after this step; True when the loop must stop.
 
-    In order: an exit signal (save, stop); a save the checkpoint manager finds due (persistent, else
-    non-persistent); then ``train.exit_duration_in_mins`` and ``train.exit_interval``, which save
-    first unless this step already did. Saving needs ``checkpoint.save``.
+    Megatron-Bridge's per-step hook over ``state.checkpoint_manager``, which decides
+    (:meth:`~bridge_cli.checkpoint.manager.CheckpointManager.after_step`: an exit signal,
+    ``save_interval``, ``non_persistent_save_interval``, ``train.exit_duration_in_mins``,
+    ``train.exit_interval``); this carries the decision out and says why the loop stops.
     """
-    cfg, step, manager = state.cfg, state.train_state.step, state.checkpoint_manager
-    ckpt, train_cfg = cfg.checkpoint, cfg.train
-
-    def save(non_persistent: bool = False) -> bool:
-        if ckpt.save:
-            save_checkpoint_and_time(state, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far,
-                                     checkpointing_context, non_persistent, train_data_iterator)
-        return bool(ckpt.save)
-
-    manager.finalize(blocking=False)
-    exit_signal = state.signal_handler
-    if exit_signal is not None and on_any_rank(exit_signal.received):
-        save()
-        _say(f"exiting at iteration {step}: received {signal.Signals(exit_signal.signum).name}")
-        return True
-    due = manager.due(step)
-    saved = save(non_persistent=due == "non-persistent") if due else False
-    minutes = train_cfg.exit_duration_in_mins
-    if minutes and on_any_rank(time.time() - state.start_time > minutes * 60):
-        if not saved:
-            save()
-        _say(f"exiting at iteration {step}: train.exit_duration_in_mins={minutes} reached")
-        return True
-    if train_cfg.exit_interval and step % train_cfg.exit_interval == 0:
-        if not saved:
-            save()
-        _say(f"exiting at iteration {step} (train.exit_interval={train_cfg.exit_interval})")
-        return True
-    return False
+    decision = _after_step(state)
+    _carry_out(decision, state, model, optimizer, opt_param_scheduler, num_floating_point_operations_so_far,
+               checkpointing_context, train_data_iterator)
+    return decision.stop
 
 
-def _stop_for_the_rerun_state_machine(state: GlobalState, model: list, optimizer, scheduler,
-                                      checkpointing_context: dict[str, Any], train_data_iterator, should_checkpoint: bool,
-                                      exit_code: int) -> None:
-    """The machine stops the run in the middle of a step, undone: save the step before it if it asks, and say why."""
-    save, step = state.cfg.checkpoint.save, state.train_state.step
-    saved = None
-    if should_checkpoint and save:
-        save_checkpoint_and_time(state, model, optimizer, scheduler, state.train_state.floating_point_operations_so_far,
-                                 checkpointing_context, train_data_iterator=train_data_iterator)
-        saved = checkpoint_dir(Path(save), step)
-    _say(rerun.exit_line(exit_code, step + 1, saved, save))
+def _after_step(state: GlobalState, rerun_stop: Optional[tuple[bool, int]] = None) -> Decision:
+    """The checkpoint manager's decision after this step (``rerun_stop``: the rerun state machine's
+    should_checkpoint and exit code, where it stops the run)."""
+    return state.checkpoint_manager.after_step(state.cfg.train, start_time=state.start_time,
+                                               exit_signal=state.signal_handler, rerun_stop=rerun_stop)
+
+
+def _carry_out(decision: Decision, state: GlobalState, model: list, optimizer, scheduler, flops: float,
+               checkpointing_context: dict[str, Any], train_data_iterator) -> None:
+    """Save as the checkpoint manager decided, then say why training stops, if it does."""
+    if decision.save:
+        save_checkpoint_and_time(state, model, optimizer, scheduler, flops, checkpointing_context,
+                                 decision.non_persistent, train_data_iterator)
+    if decision.exit_code:  # the rerun state machine's stop: its line names the checkpoint it asked for
+        save_dir, step = state.cfg.checkpoint.save, state.train_state.step
+        saved = checkpoint_dir(Path(save_dir), step) if decision.save else None
+        _say(rerun.exit_line(decision.exit_code, step + 1, saved, save_dir))
+    elif decision.reason:
+        _say(decision.reason)
 
 
 def _say(line: str) -> None:
@@ -278,11 +266,17 @@ def _run_evaluation(global_state, forward_step_func, data_iterator, model, logge
 def train(forward_step_func: ForwardStepCallable, model: list, optimizer, scheduler, train_data_iterator,
           valid_data_iterator, global_state: GlobalState, checkpointing_context: dict[str, Any],
           process_non_loss_data_func: Optional[Callable] = None, non_loss_data_func: Optional[Callable] = None) -> int:
-    """Run training to ``train.train_iters`` (or an exit condition); returns the process exit code."""
+    """Run training to ``train.train_iters`` or until the checkpoint manager stops it; returns the process
+    exit code.
+
+    After each step, ``global_state.checkpoint_manager`` decides whether to save and whether to stop,
+    and once more when training ends (the last step, unless saved); train() carries its decisions
+    out and returns once every save is complete.
+    """
     from megatron.core.num_microbatches_calculator import get_current_global_batch_size, update_num_microbatches
 
     step_func = prepare_forward_step_func(forward_step_func, global_state)
-    cfg, ts = global_state.cfg, global_state.train_state
+    cfg, ts, manager = global_state.cfg, global_state.train_state, global_state.checkpoint_manager
     train_cfg = cfg.train
     for chunk in model:
         chunk.train()
@@ -303,35 +297,34 @@ def train(forward_step_func: ForwardStepCallable, model: list, optimizer, schedu
             batch_size = get_current_global_batch_size()
             profiler.before_step(ts.step + 1)
             try:
-                loss_dict, skipped, should_checkpoint, should_exit, step_exit_code, grad_norm, num_zeros = train_step(
+                loss_dict, skipped, should_checkpoint, should_exit, rerun_exit_code, grad_norm, num_zeros = train_step(
                     step_func, train_data_iterator, model, optimizer, scheduler, global_state)
             except torch.OutOfMemoryError as err:
                 raise OutOfGPUMemory.during_step(err, ts.step + 1, train_cfg, cfg.model, cfg.optimizer) from err
-            if should_exit:
-                _stop_for_the_rerun_state_machine(global_state, model, optimizer, scheduler, checkpointing_context,
-                                                  train_data_iterator, should_checkpoint, step_exit_code)
-                exit_code = step_exit_code
-                break
-            ts.step += 1
-            ts.consumed_train_samples += batch_size
-            ts.skipped_train_samples += skipped * batch_size
-            flops = num_floating_point_operations(cfg.derived.model, batch_size)
-            ts.floating_point_operations_so_far += flops
-            if not grad_norm_is_finite(grad_norm) and not cfg.model.fp16:
-                raise TrainingDiverged(
-                    f"iteration {ts.step}: the gradient norm is {grad_norm} (NaN/Inf loss or gradients). "
-                    "Lower optimizer.lr, raise scheduler warmup, or check the data.")
-            post_training_step_callbacks(model, ts.step, global_state)
-            logger.after_step(loss_dict, skipped, grad_norm, num_zeros, optimizer, batch_size, flops)
-            profiler.after_step(ts.step)
-
-            if (train_cfg.eval_interval and ts.step % train_cfg.eval_interval == 0
-                    and valid_data_iterator is not None and train_cfg.eval_iters > 0):
-                _run_evaluation(global_state, forward_step_func, valid_data_iterator, model, logger,
-                                f"validation at iteration {ts.step}", process_non_loss_data_func, non_loss_data_func)
+            if not should_exit:  # else the rerun state machine stops the run in the middle of the step, undone
+                ts.step += 1
+                ts.consumed_train_samples += batch_size
+                ts.skipped_train_samples += skipped * batch_size
+                flops = num_floating_point_operations(cfg.derived.model, batch_size)
+                ts.floating_point_operations_so_far += flops
+                if not grad_norm_is_finite(grad_norm) and not cfg.model.fp16:
+                    raise TrainingDiverged(
+                        f"iteration {ts.step}: the gradient norm is {grad_norm} (NaN/Inf loss or gradients). "
+                        "Lower optimizer.lr, raise scheduler warmup, or check the data.")
+                post_training_step_callbacks(model, ts.step, global_state)
+                logger.after_step(loss_dict, skipped, grad_norm, num_zeros, optimizer, batch_size, flops)
+                profiler.after_step(ts.step)
+                if (train_cfg.eval_interval and ts.step % train_cfg.eval_interval == 0
+                        and valid_data_iterator is not None and train_cfg.eval_iters > 0):
+                    _run_evaluation(global_state, forward_step_func, valid_data_iterator, model, logger,
+                                    f"validation at iteration {ts.step}", process_non_loss_data_func,
+                                    non_loss_data_func)
             checkpoint_started = time.time()
-            if checkpoint_and_decide_exit(global_state, model, optimizer, scheduler, ts.floating_point_operations_so_far,
-                                          checkpointing_context, train_data_iterator):
+            decision = _after_step(global_state, (should_checkpoint, rerun_exit_code) if should_exit else None)
+            _carry_out(decision, global_state, model, optimizer, scheduler, ts.floating_point_operations_so_far,
+                       checkpointing_context, train_data_iterator)
+            if decision.stop:
+                exit_code = decision.exit_code
                 break
             logger.exclude(time.time() - checkpoint_started)
     finally:
@@ -341,4 +334,7 @@ def train(forward_step_func: ForwardStepCallable, model: list, optimizer, schedu
         if global_state.signal_handler is not None:
             global_state.signal_handler.restore()
             global_state.signal_handler = None
+    _carry_out(manager.at_end(), global_state, model, optimizer, scheduler, ts.floating_point_operations_so_far,
+               checkpointing_context, train_data_iterator)
+    manager.finalize(blocking=True)  # the saves are complete before the final evaluation, or the exit
     return exit_code
