@@ -135,11 +135,12 @@ def _combined_fix(s: RunShape, gpu_bytes: float) -> Optional[tuple[list[str], Ru
     labels = []
     for index in range(6):
         kind = _kinds(s)[index]
-        if index >= 3 and _fits(s, gpu_bytes):
-            return labels, s
-        fitting = next(((label, t) for label, t in kind if _fits(t, gpu_bytes)), None) if index >= 3 else None
-        if fitting:
-            return labels + [fitting[0]], fitting[1]
+        if index >= 3:  # a layout change: the smallest that fits, else the largest and on to the next kind
+            if _fits(s, gpu_bytes):
+                return labels, s
+            fitting = next(((label, t) for label, t in kind if _fits(t, gpu_bytes)), None)
+            if fitting:
+                return labels + [fitting[0]], fitting[1]
         if kind:
             label, s = kind[-1]
             labels.append(label)
@@ -152,7 +153,7 @@ def _kinds(s: RunShape) -> list[list[tuple[str, RunShape]]]:
     sharding = ([("optimizer.use_distributed_optimizer=true", with_changes(s, distributed=True))]
                 if not s.distributed and s.optimizer_instances == 1 and max(s.dp * s.cp, expert_dp) > 1 else [])
     micro = [(f"train.micro_batch_size={mb}", with_changes(s, micro_batch=mb))
-             for mb in _halvings(s.micro_batch)]
+             for mb in _halvings(s.micro_batch) if not s.global_batch % (mb * s.dp)]
     recompute = [(RECOMPUTE_KEYS, with_changes(s, **RECOMPUTE))] if s.recompute != "full" else []
     tensor = [_layout(s, f"model.tensor_model_parallel_size={t}", tp=t) for t in _doublings(s.tp, 8)
               if not (s.heads % t or s.groups % t or s.ffn % t) and (not s.experts or s.sp)]
@@ -196,7 +197,8 @@ def _optimizer(s: RunShape) -> str:
     if not s.distributed or (shard == 1 and not s.experts):
         return f"{kind}, whole on each GPU"
     experts = f", the experts' over {s.world // (s.etp * s.ep * s.pp)}" if s.experts else ""
-    return f"{kind}, the distributed optimizer's share of {shard} data-parallel rank{'s' * (shard != 1)}{experts}"
+    ranks = "data-parallel x context-parallel ranks" if s.cp > 1 else f"data-parallel rank{'s' * (shard != 1)}"
+    return f"{kind}, the distributed optimizer's share of {shard} {ranks}{experts}"
 
 
 def _count(n: float) -> str:
