@@ -39,10 +39,15 @@ def _read_recipe(path: Path, label: str) -> str:
             raise ConfigError(None, f"{label}: {path.stat().st_size} bytes, more than a recipe may hold "
                               f"({MAX_RECIPE_BYTES}).", "A recipe holds settings, not data; point to data by path.")
         text = path.read_text()
-        nodes = _expanded_size(yaml.safe_load(text), {}, set())
+        content = yaml.safe_load(text)
+        nodes = _expanded_size(content, {}, set())
         if nodes > MAX_RECIPE_NODES:
             raise ConfigError(None, f"{label}: its anchors and aliases expand to {nodes} values, more than a recipe "
                               f"may hold ({MAX_RECIPE_NODES}).", "Write the settings out instead of nesting aliases.")
+        if not content:  # it would train the conf/ defaults' model of zero layers
+            raise ConfigError("recipe", f"{label} is empty: it sets no model, data or training settings.",
+                              "Start from a shipped recipe: bridge recipes cp tiny my.yaml (bridge recipes list "
+                              "shows them).")
         return text
     except RecursionError:
         raise ConfigError(None, f"{label}: nested too deeply to load.", "Flatten the file.") from None

@@ -68,7 +68,6 @@ def find(name_or_path: str, extra: list[Path] | None = None) -> Recipe:
         path = Path(name_or_path).expanduser()
         if not path.is_file():
             raise ConfigError("recipe", f"no recipe file at {path}.", "Check the path, or give a recipe name (bridge recipes list).")
-        _refuse_empty(path)
         return Recipe(path.stem, path.resolve())
     for folder in (extra or []):
         if not folder.is_dir():
@@ -78,16 +77,3 @@ def find(name_or_path: str, extra: list[Path] | None = None) -> Recipe:
         hint = did_you_mean(name_or_path, recipes) or f"Known recipes: {', '.join(recipes)}."
         raise ConfigError("recipe", f"no recipe named {name_or_path!r}.", hint)
     return recipes[name_or_path]
-
-
-def _refuse_empty(path: Path) -> None:
-    """A recipe file with no settings would train the conf/ defaults' model of zero layers: say so instead."""
-    import yaml
-
-    try:
-        content = yaml.safe_load(path.read_text())
-    except yaml.YAMLError:
-        return  # Hydra reports the syntax error with its line
-    if not content:
-        raise ConfigError("recipe", f"{path} is empty: it sets no model, data or training settings.",
-                          "Start from a shipped recipe: bridge recipes cp tiny my.yaml (bridge recipes list shows them).")
