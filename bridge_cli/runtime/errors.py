@@ -14,9 +14,11 @@ class OutOfGPUMemory(RuntimeError):
         """From torch's ``OutOfMemoryError`` at ``step``, with the run's ``train``, ``model`` and ``optimizer``."""
         smaller = (f"Lower train.micro_batch_size (now {train.micro_batch_size}; train.global_batch_size stays "
                    f"{train.global_batch_size}), set" if train.micro_batch_size > 1 else "Set")
+        # full recompute: selective recompute of the core attention saves little where flash attention keeps no scores
         return cls(f"iteration {step}: the GPU ran out of memory ({_tried(err)}). {smaller} "
-                   f"model.recompute_granularity=selective, {_sharding(optimizer)}or split the model over more GPUs "
-                   f"with {_layout(model)}.")
+                   f"model.recompute_granularity=full model.recompute_method=uniform model.recompute_num_layers=1, "
+                   f"{_sharding(optimizer)}or split the model over more GPUs with {_layout(model)}. The same command "
+                   "with --dry-run --device cuda estimates the memory of each setting.")
 
     @classmethod
     def during_setup(cls, err: BaseException, model, optimizer) -> "OutOfGPUMemory":

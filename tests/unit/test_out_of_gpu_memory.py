@@ -19,7 +19,8 @@ def test_a_step_names_the_micro_batch_recompute_sharding_and_layout():
                               "MiB. GPU 0 has a total capacity of 79.18 GiB of which 144.19 MiB is free.).")
     assert "Including non-PyTorch" not in message
     for fragment in ("train.micro_batch_size (now 4; train.global_batch_size stays 32)",
-                     "model.recompute_granularity=selective", "optimizer.use_distributed_optimizer=true",
+                     "model.recompute_granularity=full", "optimizer.use_distributed_optimizer=true",
+                     "--dry-run --device cuda",
                      "model.tensor_model_parallel_size (now 2)", "model.pipeline_model_parallel_size (now 1)"):
         assert fragment in message
 
@@ -28,7 +29,8 @@ def test_what_is_already_as_small_as_it_goes_is_not_offered():
     message = str(OutOfGPUMemory.during_step(RuntimeError(TORCH), 1, SimpleNamespace(micro_batch_size=1,
                   global_batch_size=8), MODEL, SimpleNamespace(use_distributed_optimizer=True)))
     assert "micro_batch_size" not in message and "use_distributed_optimizer" not in message
-    assert "Set model.recompute_granularity=selective, or split the model" in message
+    assert ("Set model.recompute_granularity=full model.recompute_method=uniform model.recompute_num_layers=1, "
+            "or split the model") in message
 
 
 def test_the_set_up_names_sharding_and_layout():
