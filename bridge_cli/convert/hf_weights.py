@@ -62,6 +62,17 @@ TRANSPOSES = {Layout.TRANSPOSED: Layout.SAME, Layout.FUSED_QKV_T: Layout.FUSED_Q
 
 
 @dataclass(frozen=True)
+class LatentSizes:
+    """The sizes of multi-latent attention (DeepSeek-V2/V3), as megatron-core's MLA fields name them."""
+
+    q_lora_rank: Optional[int]
+    kv_lora_rank: int
+    qk_head_dim: int
+    qk_pos_emb_head_dim: int
+    v_head_dim: int
+
+
+@dataclass(frozen=True)
 class Architecture:
     """The shape-defining fields of a Llama-style model."""
 
@@ -86,6 +97,8 @@ class Architecture:
     """Whether the router holds a per-expert bias for choosing experts (DeepSeek-V3's e_score_correction_bias)."""
     positions: int = 0
     """Rows of the learned absolute position embedding: megatron-core's has model.seq_length (0: none)."""
+    mla: Optional[LatentSizes] = None
+    """Multi-latent attention's sizes (None: grouped-query attention)."""
 
     @classmethod
     def of(cls, model) -> "Architecture":
@@ -98,7 +111,9 @@ class Architecture:
                    moe_layer_pattern(model.moe_layer_freq, model.num_layers) if experts else (),
                    model.moe_shared_expert_intermediate_size if experts else None,
                    bool(experts and model.moe_router_enable_expert_bias),
-                   model.seq_length if getattr(model, "position_embedding_type", None) == "learned_absolute" else 0)
+                   model.seq_length if getattr(model, "position_embedding_type", None) == "learned_absolute" else 0,
+                   LatentSizes(model.q_lora_rank, model.kv_lora_rank, model.qk_head_dim, model.qk_pos_emb_head_dim,
+                               model.v_head_dim) if getattr(model, "multi_latent_attention", False) else None)
 
     @property
     def heads_per_group(self) -> int:

@@ -21,6 +21,7 @@ from bridge_cli.convert.families.gemma2 import Gemma2
 from bridge_cli.convert.families.gemma3 import Gemma3
 from bridge_cli.convert.families.glm4 import Glm4
 from bridge_cli.convert.families.gpt2 import Gpt2
+from bridge_cli.convert.families.deepseek_v3 import DeepseekV3
 from bridge_cli.convert.families.gpt_oss import GptOss
 from bridge_cli.convert.families.llama import Llama
 from bridge_cli.convert.families.llama_like import LlamaLike
@@ -42,24 +43,18 @@ FAMILIES: dict[str, LlamaLike] = {family.model_type: family
                                   for family in (Llama(), Mistral(), Qwen2(), Qwen3(), Phi3(),
                                                  Mixtral(), Qwen3Moe(), Olmoe(), Gemma3(), Gemma2(), GptOss(), Gemma(),
                                                  Starcoder2(), Olmo2(), Qwen2Moe(), Glm4(), StableLm(), Gpt2(),
-                                                 SeedOss(), Arcee())}
+                                                 SeedOss(), Arcee(), DeepseekV3())}
 """model_type -> its family, in the order export tries them."""
 
 INFERRED = ("llama", "mistral", "qwen2", "qwen3", "phi3",
             "mixtral", "qwen3_moe", "olmoe", "gemma3_text", "gemma2", "gpt_oss", "gemma", "starcoder2", "olmo2",
-            "qwen2_moe", "glm4", "stablelm", "gpt2", "arcee")
+            "qwen2_moe", "glm4", "stablelm", "gpt2", "arcee", "deepseek_v3")
 """The families export picks without --model-type."""
 
 
 REFUSED = {
-    "deepseek_v3": ("its multi-latent attention needs Transformer Engine in megatron-core, and conversion builds the "
-                    "model without it (one CPU process, torch layer spec): megatron-core's MLASelfAttention fails "
-                    "to build there (0.16 tests its projection against TE's TELinear, a placeholder when TE is "
-                    "absent), the local core attention takes no separate key and value head sizes (MLA's "
-                    "qk_head_dim + qk_pos_emb_head_dim vs v_head_dim), and the local spec has no module for the "
-                    "latent RMSNorms q_a_layernorm/kv_a_layernorm (TE fuses them into linear_q_up_proj and "
-                    "linear_kv_up_proj as layer_norm_weight); its routing, shared experts and first dense layers "
-                    "have megatron-core fields, so `bridge pretrain recipe=deepseek_v3` trains the shape with TE"),
+    "deepseek_v2": ("its config class (topk_method, its own MoE routing and YaRN defaults) is not mapped yet; its "
+                    "multi-latent attention is deepseek_v3's (dense DeepSeek-V3-style models convert as deepseek_v3)"),
 }
 """Hugging Face model types bridge knows and does not convert yet: why, for the refusal."""
 

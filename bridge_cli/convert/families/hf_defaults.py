@@ -134,6 +134,15 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "pad_token_id": None, "bos_token_id": 128000, "eos_token_id": 128001, "tie_word_embeddings": False,
         "rope_parameters": None, "attention_bias": False, "attention_dropout": 0.0, "mlp_bias": False,
         "head_dim": None},
+    "deepseek_v3": {"vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432,
+        "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 128,
+        "num_key_value_heads": 128, "n_shared_experts": 1, "n_routed_experts": 256, "output_router_logits": False,
+        "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64,
+        "v_head_dim": 128, "qk_nope_head_dim": 128, "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8,
+        "first_k_dense_replace": 3, "norm_topk_prob": True, "hidden_act": "silu", "max_position_embeddings": 4096,
+        "initializer_range": 0.02, "rms_norm_eps": 1e-06, "use_cache": True, "pad_token_id": None, "bos_token_id": 0,
+        "eos_token_id": 1, "pretraining_tp": 1, "tie_word_embeddings": False, "rope_parameters": None,
+        "rope_interleave": True, "attention_bias": False, "attention_dropout": 0.0, "num_mtp_layers": 1},
 }
 """model_type -> each field of its transformers config class (beyond PreTrainedConfig's) and its default."""
 
@@ -142,6 +151,7 @@ ALIASES: dict[str, dict[str, str]] = {
     "gpt_oss": {"num_experts": "num_local_experts"}, "olmoe": {"num_local_experts": "num_experts"},
     "gpt2": {"hidden_size": "n_embd", "max_position_embeddings": "n_positions", "num_attention_heads": "n_head",
              "num_hidden_layers": "n_layer"},
+    "deepseek_v3": {"num_local_experts": "n_routed_experts", "num_mtp_layers": "num_nextn_predict_layers"},
 }
 """model_type -> its config class's ``attribute_map``: a key config.json may use for another (transformers sets the
 other), so a field of the class named by the first holds the default of the second."""
