@@ -90,3 +90,24 @@ def test_latents_that_do_not_split_over_the_tensor_parallel_ranks_are_refused():
     with pytest.raises(RuntimeUnavailable, match=r"model.kv_lora_rank \+ model.qk_pos_emb_head_dim = 22 is not a "
                                                  "multiple of model.tensor_model_parallel_size=4"):
         check_config(config, "torch")
+
+
+def test_the_masked_kernels_take_value_heads_of_another_size():
+    """FlexAttention (the GPU's masked path; torch's reference here) and the dense path agree with causal SDPA
+    when the values' head size (MLA's v_head_dim) differs from the queries' and keys'."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from bridge_cli.models.attention import kernels
+
+    generator = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(1, 2, 16, 24, generator=generator) for _ in range(2))
+    v = torch.randn(1, 2, 16, 16, generator=generator)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3)
+    block = create_block_mask(lambda b, h, query, key: query >= key, None, None, 16, 16, device="cpu")
+    flex = kernels.flex(q, k, v, block, 0.3, None)
+    dense = kernels.dense(q, k, v, torch.ones(16, 16, dtype=torch.bool).tril(), 0.3, torch.zeros(2), 0.0)
+    assert flex.shape == dense.shape == (1, 2, 16, 16)
+    torch.testing.assert_close(flex, expected, rtol=0, atol=1e-5)
+    # a sink of -inf weighs nothing: the written-out softmax with sinks is the plain one
+    sinkless = kernels.dense(q, k, v, torch.ones(16, 16, dtype=torch.bool).tril(), 0.3, torch.full((2,), -1e9), 0.0)
+    torch.testing.assert_close(sinkless, expected, rtol=0, atol=1e-5)
