@@ -14,6 +14,7 @@ from bridge_cli.config.data_configs import (
     MockGPTDatasetConfig,
     TokenizerConfig,
 )
+from bridge_cli.config.finetune_config import DPOConfig, FinetuneConfig
 from bridge_cli.config.logger_config import LoggerConfig
 from bridge_cli.config.loop_configs import SchedulerConfig, TrainingConfig
 from bridge_cli.config.peft_config import LoRAConfig
@@ -41,6 +42,8 @@ SECTIONS: dict[str, type] = {
     "nvrx_straggler": NVRxStragglerDetectionConfig,
     "profiling": ProfilingConfig,
     "comm_overlap": CommOverlapConfig,
+    "finetune": FinetuneConfig,
+    "dpo": DPOConfig,
 }
 """Sections whose schema is a dataclass of this project."""
 

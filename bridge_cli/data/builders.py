@@ -83,6 +83,10 @@ def build_datasets(cfg, tokenizer, sizes: Optional[list[int]] = None) -> list:
 
     sizes = sizes or dataset_sizes(cfg.train.train_iters, cfg.derived.global_batch_size, cfg.train.eval_interval,
                                    cfg.train.eval_iters)
+    if isinstance(cfg.dataset, FinetuningDatasetConfig) and cfg.finetune.objective == "dpo":
+        from bridge_cli.data.preference import build_preference_datasets
+
+        return build_preference_datasets(cfg, tokenizer, sizes)
     if isinstance(cfg.dataset, FinetuningDatasetConfig):
         from bridge_cli.data.sft import build_sft_datasets
 

@@ -37,7 +37,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -131,8 +131,13 @@ def build_sample(segments: list[tuple[list[int], bool]], capacity: int) -> Sampl
     return Sample(ids[:capacity + 1], answer[:capacity + 1])
 
 
-def read_jsonl(path: Path, tokenizer, capacity: int, limit: Optional[int] = None) -> list[Sample]:
-    """Tokenized samples of ``path`` (the first ``limit`` records); ConfigError names file:line on a bad one."""
+def read_jsonl(path: Path, tokenizer, capacity: int, limit: Optional[int] = None,
+               to_item: Optional[Callable[[object], object]] = None) -> list:
+    """Tokenized samples of ``path`` (the first ``limit`` records); ConfigError names file:line on a bad one.
+
+    ``to_item`` turns a parsed record into something else than a Sample (raising RecordError on a bad one).
+    """
+    to_item = to_item or (lambda record: build_sample(record_segments(record, tokenizer), capacity))
     samples = []
     # Read as bytes and decode line by line, so that bytes that are not UTF-8 are named by line too.
     with open(path, "rb") as f:
@@ -147,7 +152,7 @@ def read_jsonl(path: Path, tokenizer, capacity: int, limit: Optional[int] = None
             if not line.strip():
                 continue
             try:
-                samples.append(build_sample(record_segments(json.loads(line), tokenizer), capacity))
+                samples.append(to_item(json.loads(line)))
             except json.JSONDecodeError as err:
                 raise ConfigError(None, f"{path}:{line_number}: not valid JSON ({err.msg} at column {err.colno}).",
                                   "Each line must be one JSON object.") from None

@@ -9,7 +9,10 @@ comes from the config:
 - the data is usually ``dataset=finetune``: JSONL records whose loss falls on the answers only
   (:mod:`bridge_cli.data.sft`), reduced with the token-weighted loss of ``gpt_step.forward_step``;
 - with ``peft=lora`` the base model is frozen, only the adapters train, and checkpoints hold the
-  adapters alone plus the path of the base (:mod:`bridge_cli.peft.lora`).
+  adapters alone plus the path of the base (:mod:`bridge_cli.peft.lora`);
+- with ``finetune.objective=dpo`` the records are preference pairs (:mod:`bridge_cli.data.preference`)
+  and the forward step is DPO's (:class:`bridge_cli.training.dpo_step.DPOForwardStep`) in place of the
+  GPT step the command passes.
 """
 
 from __future__ import annotations
@@ -27,7 +30,24 @@ def finetune(config: ConfigContainer, forward_step_func: ForwardStepCallable) ->
     from bridge_cli.training.pretrain import pretrain
 
     check_finetune_inputs(config)
+    if config.finetune.objective == "dpo":
+        forward_step_func = _dpo_forward_step(forward_step_func)
     pretrain(config, forward_step_func)
+
+
+def _dpo_forward_step(forward_step_func: ForwardStepCallable) -> ForwardStepCallable:
+    """DPO's forward step, for the GPT step or a DPOForwardStep given; another step is an error, not dropped."""
+    from bridge_cli.training.dpo_step import DPOForwardStep
+    from bridge_cli.training.gpt_step import forward_step
+
+    if isinstance(forward_step_func, DPOForwardStep):
+        return forward_step_func
+    if forward_step_func is not forward_step:
+        raise ConfigError("finetune.objective", "is dpo, which trains with DPOForwardStep; finetune() was given "
+                          f"another forward step ({getattr(forward_step_func, '__name__', forward_step_func)!r}).",
+                          "Pass bridge_cli.training.dpo_step.DPOForwardStep() (or gpt_step.forward_step), "
+                          "or set finetune.objective=sft.")
+    return DPOForwardStep()
 
 
 def check_finetune_inputs(config: ConfigContainer) -> None:
@@ -42,6 +62,10 @@ def check_finetune_inputs(config: ConfigContainer) -> None:
     if ckpt.pretrained_checkpoint is not None and not is_hf_folder(ckpt.pretrained_checkpoint):
         require_checkpoint(Path(ckpt.pretrained_checkpoint),
                            label=f"checkpoint.pretrained_checkpoint={ckpt.pretrained_checkpoint}")
+    if config.finetune.objective == "dpo" and config.peft is None and ckpt.pretrained_checkpoint is None:
+        raise ConfigError("checkpoint.pretrained_checkpoint", "is not set; finetune.objective=dpo without peft "
+                          "compares the model with a frozen copy of the one it started from, read from there.",
+                          "Set checkpoint.pretrained_checkpoint=DIR, also when resuming from checkpoint.load.")
     if isinstance(config.dataset, FinetuningDatasetConfig) and not config.train.skip_train:
         from bridge_cli.data.sft import dataset_root
 

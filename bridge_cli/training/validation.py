@@ -18,6 +18,7 @@ from typing import Any, Optional
 from bridge_cli.config.comm_overlap_config import apply_comm_overlap
 from bridge_cli.config.errors import ConfigError
 from bridge_cli.config.fields import check_section
+from bridge_cli.config.finetune_config import check_objective
 from bridge_cli.config.ranges import check_ranges
 from bridge_cli.config.unsupported import check_unsupported
 from bridge_cli.models.attention.config_checks import check_attention
@@ -98,6 +99,7 @@ def validate_and_derive(cfg, world_size: int, device: str) -> Derived:
     _check_scheduler_fields_unset(cfg.scheduler)
     _check_precision(cfg)
     _check_rerun_mode(cfg)
+    check_objective(cfg)
     check_device(cfg, device)
     vocab_size = _vocab_size(cfg)
     dp = data_parallel_size(cfg.model, world_size)

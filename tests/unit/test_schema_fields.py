@@ -15,7 +15,7 @@ from bridge_cli.config.unsupported import UNSUPPORTED
 PACKAGE = Path(__file__).resolve().parents[2] / "bridge_cli"
 DEFINITIONS = {  # the modules that declare the sections' fields
                "runtime_configs.py", "data_configs.py", "loop_configs.py", "checkpoint_config.py",
-               "logger_config.py", "peft_config.py", "comm_overlap_config.py"}
+               "logger_config.py", "peft_config.py", "comm_overlap_config.py", "finetune_config.py"}
 
 
 def schema_fields() -> list[tuple[str, type, dataclasses.Field]]:
