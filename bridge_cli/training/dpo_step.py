@@ -92,6 +92,12 @@ def build_reference(state: GlobalState) -> list:
     from bridge_cli.convert.hf_training import converted_for_loading
     from bridge_cli.training.setup import build_model
 
+    from bridge_cli.config.errors import ConfigError
+
+    if state.cfg.checkpoint.pretrained_checkpoint is None:
+        raise ConfigError("checkpoint.pretrained_checkpoint", "is not set; finetune.objective=dpo without peft "
+                          "compares the model with a frozen copy of the one it started from, read from there.",
+                          "Set checkpoint.pretrained_checkpoint=DIR, the checkpoint the DPO run started from.")
     cfg = copy.copy(state.cfg)
     # the starting weights even when resuming: checkpoint.load holds the policy's
     cfg.peft, cfg.checkpoint = None, dataclasses.replace(state.cfg.checkpoint, load=None)

@@ -31,7 +31,8 @@ class EvalReport:
     global_batch_size: int
     seq_length: int
     splits: dict[str, dict[str, float]] = field(default_factory=dict)
-    """Per split ("validation", "test"): each reported loss and its perplexity ("lm loss", "lm loss PPL")."""
+    """Per split ("validation", "test"): each reported loss and its perplexity ("lm loss", "lm loss PPL"); with
+    finetune.objective=dpo, the DPO loss, rewards, margin and reward accuracy, without perplexities."""
 
 
 def evaluate_checkpoint(config: ConfigContainer, forward_step_func: ForwardStepCallable) -> Optional[EvalReport]:
@@ -45,6 +46,10 @@ def evaluate_checkpoint(config: ConfigContainer, forward_step_func: ForwardStepC
     from bridge_cli.runtime.collectives import is_last_rank
 
     checkpoint, iteration = _checkpoint_to_evaluate(config)
+    if config.finetune.objective == "dpo":  # preference pairs: DPO's loss, rewards and reward accuracy
+        from bridge_cli.training.finetune import dpo_forward_step
+
+        forward_step_func = dpo_forward_step(forward_step_func)
     with run_session(config) as state:
         runtime = initialize(state)
         model = build_model(config, runtime)
@@ -63,8 +68,10 @@ def evaluate_checkpoint(config: ConfigContainer, forward_step_func: ForwardStepC
             if iterator is None:
                 continue
             losses, _ = evaluate(state, forward_step_func, iterator, model, config.train.eval_iters)
-            report.splits[split] = {name: value for key, loss in losses.items()
-                                    for name, value in ((key, loss), (f"{key} PPL", perplexity(loss)))}
+            report.splits[split] = dict(losses)
+            if config.finetune.objective != "dpo":  # DPO's rewards and accuracy have no perplexity
+                report.splits[split] = {name: value for key, loss in losses.items()
+                                        for name, value in ((key, loss), (f"{key} PPL", perplexity(loss)))}
         return report if is_last_rank() else None
 
 

@@ -31,11 +31,11 @@ def finetune(config: ConfigContainer, forward_step_func: ForwardStepCallable) ->
 
     check_finetune_inputs(config)
     if config.finetune.objective == "dpo":
-        forward_step_func = _dpo_forward_step(forward_step_func)
+        forward_step_func = dpo_forward_step(forward_step_func)
     pretrain(config, forward_step_func)
 
 
-def _dpo_forward_step(forward_step_func: ForwardStepCallable) -> ForwardStepCallable:
+def dpo_forward_step(forward_step_func: ForwardStepCallable) -> ForwardStepCallable:
     """DPO's forward step, for the GPT step or a DPOForwardStep given; another step is an error, not dropped."""
     from bridge_cli.training.dpo_step import DPOForwardStep
     from bridge_cli.training.gpt_step import forward_step

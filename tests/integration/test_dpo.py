@@ -1,5 +1,6 @@
 """`bridge finetune finetune.objective=dpo` (recipe tiny_dpo) end to end on the CPU: the rewards separate over
-the steps, the two references agree, TP=2 and DP=2 give one process's curve, bad input exits 2."""
+the steps, `bridge eval` reports held-out reward accuracy, the two references agree, TP=2 and DP=2 give one
+process's curve, bad input exits 2."""
 
 from __future__ import annotations
 
@@ -53,19 +54,44 @@ def dpo(base, data, *args):
             *args]
 
 
-def test_tiny_dpo_raises_reward_accuracy_and_margin(base, data):
-    result = bridge(*dpo(base, data))
+@pytest.fixture(scope="module")
+def tiny_dpo_run(base, data, tmp_path_factory):
+    save = tmp_path_factory.mktemp("dpo") / "ckpt"
+    result = bridge(*dpo(base, data, f"checkpoint.save={save}"))
     assert result.returncode == 0, result.stderr[-3000:]
-    assert f"DPO reference: a frozen copy of {base}" in result.stdout
-    steps = curve(result.stdout)
+    return save, result.stdout
+
+
+def test_tiny_dpo_raises_reward_accuracy_and_margin(base, tiny_dpo_run):
+    stdout = tiny_dpo_run[1]
+    assert f"DPO reference: a frozen copy of {base}" in stdout
+    steps = curve(stdout)
     assert sorted(steps) == [5, 10, 15, 20, 25, 30]
     first, last = steps[5], steps[30]
     assert last[0] < first[0] < 0.7  # from log 2 at the first step
     assert last[4] > first[4] and last[4] >= 0.9, steps
     assert last[3] > first[3] + 0.5 and last[3] == pytest.approx(last[1] - last[2], abs=2e-6)
     validation = re.search(r"^validation at the end of training \(iteration 30\) \| dpo loss .*"
-                           r"\| reward accuracy ([0-9.]+) ", result.stdout, re.M)
+                           r"\| reward accuracy ([0-9.]+) ", stdout, re.M)
     assert float(validation.group(1)) >= 0.9
+
+
+def test_eval_reports_held_out_reward_accuracy(base, data, tiny_dpo_run, tmp_path):
+    """bridge eval scores the validation batches the run's final validation read: the same numbers."""
+    save, stdout = tiny_dpo_run
+    final = re.search(r"^validation at the end of training \(iteration 30\) \| (.*)$", stdout, re.M).group(1)
+    logged = {key: float(value) for key, value in (field.rsplit(" ", 1) for field in final.split(" | "))
+              if not key.endswith("PPL")}
+    output = tmp_path / "eval.json"
+    result = bridge("eval", "recipe=tiny_dpo", f"checkpoint.load={save}", f"checkpoint.pretrained_checkpoint={base}",
+                    f"dataset.dataset_root={data}", "dataset.do_test=false", "--output", str(output))
+    assert result.returncode == 0, result.stderr[-3000:]
+    scores = json.loads(output.read_text())["splits"]["validation"]
+    assert sorted(scores) == sorted(logged) == sorted(["dpo loss", "chosen reward", "rejected reward",
+                                                       "reward margin", "reward accuracy"])
+    assert scores == pytest.approx(logged, abs=2e-6) and scores["reward accuracy"] >= 0.9
+    unreferenced = bridge("eval", "recipe=tiny_dpo", f"checkpoint.load={save}", f"dataset.dataset_root={data}")
+    assert unreferenced.returncode == 2 and "checkpoint.pretrained_checkpoint: is not set" in unreferenced.stderr
 
 
 def test_lora_reference_with_adapters_off_equals_a_frozen_copy(base, data):
