@@ -153,5 +153,7 @@ def test_bad_input_exits_2_naming_the_record_line_or_field(cli, base, data, tmp_
     sft = cli("finetune", "recipe=tiny_sft", "dpo.beta=0.5", f"checkpoint.pretrained_checkpoint={base}",
               f"dataset.dataset_root={data}")
     assert sft.exit_code == 2 and "dpo.beta: is set, but finetune.objective is sft" in sft.stderr
+    pretrain = cli("pretrain", "recipe=tiny_dpo", f"dataset.dataset_root={data}")
+    assert pretrain.exit_code == 2 and "finetune.objective: is dpo, which bridge finetune trains" in pretrain.stderr
     no_start = cli("finetune", "recipe=tiny_dpo", f"dataset.dataset_root={data}")
     assert no_start.exit_code == 2 and "checkpoint.pretrained_checkpoint: is not set" in no_start.stderr
