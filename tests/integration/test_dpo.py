@@ -122,6 +122,21 @@ def test_two_processes_reproduce_the_single_process_curve(base, data, one_proces
         assert steps[step] == pytest.approx(values, rel=1e-5, abs=1e-5), step
 
 
+def test_a_resumed_run_keeps_the_starting_model_as_its_reference(base, data, one_process, tmp_path):
+    """The second command loads the policy from checkpoint.load and the reference from pretrained_checkpoint."""
+    args = dpo(base, data, "train.train_iters=6", "logger.log_interval=1", "train.eval_iters=0",
+               f"checkpoint.save={tmp_path / 'ckpt'}", "checkpoint.save_interval=3")
+    first = bridge(*args, "train.exit_interval=3")
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = bridge(*args)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resuming at iteration 3" in second.stdout and f"DPO reference: a frozen copy of {base}" in second.stdout
+    steps = {**curve(first.stdout), **curve(second.stdout)}
+    assert sorted(steps) == list(range(1, 7))
+    for step, values in one_process.items():
+        assert steps[step] == pytest.approx(values, rel=1e-5, abs=1e-5), step
+
+
 def test_lora_dpo_starts_at_log_2_and_learns(base, data):
     result = bridge(*dpo(base, data, "peft=lora", "train.train_iters=10", "logger.log_interval=1", "train.eval_iters=0"))
     assert result.returncode == 0, result.stderr[-3000:]
