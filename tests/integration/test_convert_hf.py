@@ -118,17 +118,21 @@ MODELS = {
         rope_scaling={"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64}), None),
     # multi-latent attention: low-rank q (q_lora_rank; null in test_deepseek_v3_without_q_lora_rank) and kv with
     # their latent norms, a RoPE part with a shared key (interleaved), value heads (24) other than the query/key heads
-    # (16 + 8), YaRN with mscale and mscale_all_dim (the softmax scale correction); dense MLPs in every layer
+    # (16 + 8), YaRN with mscale and mscale_all_dim (the softmax scale correction); a dense first layer, then an MoE
+    # layer: sigmoid scores, expert bias (random), top-2 of the best of 2 groups, renormalised, times 2.5, and two
+    # shared experts
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
         vocab_size=512, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24,
-        first_k_dense_replace=2, tie_word_embeddings=False, rope_scaling=DEEPSEEK_YARN), None),
+        first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
+        moe_intermediate_size=48, n_shared_experts=2, routed_scaling_factor=2.5, tie_word_embeddings=False,
+        rope_scaling=DEEPSEEK_YARN), None),
 }
 WINDOWS = {"mistral": ([7, 0], [1, 1]), "mixtral": ([7, 0], [1, 1]), "phi3": ([7, 0], [1, 1]),
            "starcoder2": ([7, 0], [1, 1]), "qwen3_moe": ([7, 0], [1, 1]), "qwen2": ([7, 0], [0, 1]),
            "qwen3": ([7, 0], [0, 1]), "qwen2_moe": ([7, 0], [1, 0]), "gemma3_text": ([7, 0], [1, 0]),
            "gemma2": ([7, 0], [1, 0]), "gpt_oss": ([7, 0], [1, 0])}
 """The imported models' window_size and window_attn_skip_freq (sliding_window 8: the query and 7 keys before it)."""
-MOE = ("mixtral", "qwen3_moe", "olmoe", "gpt_oss", "qwen2_moe")
+MOE = ("mixtral", "qwen3_moe", "olmoe", "gpt_oss", "qwen2_moe", "deepseek_v3")
 """The mixture-of-experts families, loaded at EP=2 too (and at TP=2 with their experts split, GPT-OSS's biased
 ones excepted: megatron-core computes those at expert TP 1)."""
 
@@ -141,6 +145,9 @@ def hf_model(name: str):
     with torch.no_grad():  # larger than the default init, so that every weight moves the logits
         for param_name, param in model.named_parameters():
             param.uniform_(0.5, 1.5) if re.search(r"norm|\.ln_", param_name) else param.normal_(0.0, 0.1)
+        for buffer_name, buffer in model.named_buffers():  # DeepSeek-V3's expert bias, which chooses the experts
+            if buffer_name.endswith("e_score_correction_bias"):
+                buffer.normal_(0.0, 0.1)
     return model
 
 
@@ -555,6 +562,10 @@ def test_import_errors_name_the_problem_and_leave_no_output(cli, broken, tmp_pat
     ("qwen2_moe", dict(qkv_bias=False), ["config.json: qkv_bias False: bridge converts a qwen2_moe model with qkv_bias "
                                          "True"]),
     ("mixtral", dict(sliding_window=0), ["sliding_window 0 with sliding-window layers: a positive integer"]),
+    ("deepseek_v3", dict(norm_topk_prob=False), ["norm_topk_prob false: megatron-core renormalises"]),
+    ("deepseek_v3", dict(n_routed_experts=8, num_experts_per_tok=4),
+     ["transformers scores a group by its top two experts", "that ratio must be 2"]),
+    ("deepseek_v3", dict(rope_interleave=False), ["rope_interleave false"]),
 ])
 def test_import_refuses_what_megatron_core_cannot_compute(cli, hf_dirs, tmp_path, name, changes, fragments):
     folder = tmp_path / "hf"
@@ -661,10 +672,12 @@ def test_families_lists_every_family_with_its_limits(cli):
 @pytest.mark.slow
 def test_deepseek_v3_without_q_lora_rank(work, hf_dirs, tokens):
     """q_lora_rank null (DeepSeek-V2-Lite's queries): q_proj is megatron-core's linear_q_proj, no query latent norm;
-    the logits equal transformers', and the round trip gives the tensors back."""
+    every layer dense (first_k_dense_replace 2: no router fields in the recipe); the logits equal transformers', and
+    the round trip gives the tensors back."""
     config_cls, model_cls, options, _ = MODELS["deepseek_v3"]
     torch.manual_seed(0)
-    config = getattr(transformers, config_cls)(**OWN_SHAPE["deepseek_v3"], **{**options, "q_lora_rank": None})
+    config = getattr(transformers, config_cls)(**OWN_SHAPE["deepseek_v3"], **{**options, "q_lora_rank": None,
+                                                                             "first_k_dense_replace": 2})
     model = getattr(transformers, model_cls)(config).float().eval()
     with torch.no_grad():
         for param_name, param in model.named_parameters():
@@ -673,6 +686,7 @@ def test_deepseek_v3_without_q_lora_rank(work, hf_dirs, tokens):
     model.save_pretrained(folder)
     assert "model.layers.0.self_attn.q_proj.weight" in safetensors_of(folder)
     ok(bridge("convert-ckpt", "import-hf", str(folder), str(imported)))
+    assert "num_moe_experts" not in yaml.safe_load((imported / "recipe.yaml").read_text())["model"]
     with torch.no_grad():
         expected = model(tokens).logits
     logits = logits_at_tp1({"deepseek_no_q_lora": imported}, work / "tokens.pt", work / "no_q_lora_logits")
@@ -684,13 +698,14 @@ def test_deepseek_v3_without_q_lora_rank(work, hf_dirs, tokens):
 
 @pytest.mark.slow
 def test_an_imported_deepseek_v3_trains(imported):
-    """Its multi-latent attention trains on the torch spec on the CPU, at TP=2 as in one process: the RoPE key
+    """Its multi-latent attention and MoE layer train on the torch spec on the CPU, at TP=2 (sequence parallel, as
+    megatron-core's MoE layer needs) as in one process: the RoPE key
     shared by the heads learns from every rank's heads (bridge_cli/models/mla.py; megatron-core's gather gave each
     rank's share only, and the losses drifted by 1e-4 from the second step)."""
     args = ["pretrain", f"recipe={imported['deepseek_v3'] / 'recipe.yaml'}", "train.train_iters=3", "train.eval_iters=0",
             "logger.log_interval=1", "train.global_batch_size=4", "train.micro_batch_size=2", "model.seq_length=64"]
     one = ok(bridge(*args))
-    two = ok(torchrun(2, *args, "model.tensor_model_parallel_size=2"))
+    two = ok(torchrun(2, *args, "model.tensor_model_parallel_size=2", "model.sequence_parallel=true"))
     curves = [(losses(run.stdout), [float(n) for n in re.findall(r"\| grad norm ([0-9.]+) ", run.stdout)])
               for run in (one, two)]
     assert len(curves[0][0]) == 3 and all(math.isfinite(loss) for loss in curves[0][0]), curves
@@ -711,18 +726,3 @@ def test_an_imported_deepseek_v3_trains_on_documents_under_context_parallelism(i
               for run in (one, two)]
     assert len(curves[0][0]) == 3 and curves[1][0] == pytest.approx(curves[0][0], rel=1e-5), curves
     assert curves[1][1] == pytest.approx(curves[0][1], abs=2e-3), curves
-
-
-def test_deepseek_v3_with_moe_layers_is_refused_naming_what_is_missing(cli, tmp_path):
-    """Its MoE routing is not mapped yet: the refusal says which config.json setting makes MoE layers and what is
-    missing, instead of converting approximately."""
-    folder = tmp_path / "hf"
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({"model_type": "deepseek_v3", **OWN_SHAPE["deepseek_v3"],
-                                                    "first_k_dense_replace": 1}))
-    result = cli("convert-ckpt", "import-hf", str(folder), str(tmp_path / "out"))
-    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
-    for fragment in ("first_k_dense_replace 1 with num_hidden_layers 2", "routed_scaling_factor",
-                     "bridge cannot convert this model"):
-        assert fragment in result.stderr, result.stderr
-    assert not (tmp_path / "out").exists()

@@ -53,8 +53,8 @@ INFERRED = ("llama", "mistral", "qwen2", "qwen3", "phi3",
 
 
 REFUSED = {
-    "deepseek_v2": ("its config class (topk_method, its own MoE routing and YaRN defaults) is not mapped yet; its "
-                    "multi-latent attention is deepseek_v3's (dense DeepSeek-V3-style models convert as deepseek_v3)"),
+    "deepseek_v2": ("its config class (topk_method's softmax routing, its own YaRN defaults) is not mapped yet; its "
+                    "multi-latent attention is deepseek_v3's, and DeepSeek-V3-style models convert as deepseek_v3"),
 }
 """Hugging Face model types bridge knows and does not convert yet: why, for the refusal."""
 

@@ -1,16 +1,22 @@
-"""DeepSeek-V3's layout (``DeepseekV3ForCausalLM``) with dense MLPs: multi-latent attention on megatron-core's
-``MLASelfAttention`` (:mod:`bridge_cli.models.mla` on the torch spec). No torch import.
+"""DeepSeek-V3's layout (``DeepseekV3ForCausalLM``: DeepSeek-V3, Kimi K2, Moonlight): multi-latent attention on
+megatron-core's ``MLASelfAttention`` (:mod:`bridge_cli.models.mla` on the torch spec), dense MLPs in the first
+``first_k_dense_replace`` layers and mixture-of-experts layers after them. No torch import.
 
-The tensors map one to one, in the same layouts: ``q_proj`` (``q_lora_rank`` null) or ``q_a_proj``/``q_b_proj``
-are ``linear_q_proj`` or ``linear_q_down_proj``/``linear_q_up_proj``; ``kv_a_proj_with_mqa`` (latent, then the
-shared RoPE key) is ``linear_kv_down_proj``; ``kv_b_proj`` (per head: no-RoPE key, then value) is
-``linear_kv_up_proj``; the latent norms ``q_a_layernorm``/``kv_a_layernorm`` are ``q_layernorm``/``kv_layernorm``.
-transformers' interleaved RoPE (``rope_interleave``) is megatron-core's MLA RoPE, which takes the even then the odd
-channels. YaRN's ``mscale``/``mscale_all_dim`` give both the cos/sin scale and the softmax scale correction
-(``mscale_all_dim``'s squared), as in transformers.
+The attention's tensors map one to one, in the same layouts: ``q_proj`` (``q_lora_rank`` null) or
+``q_a_proj``/``q_b_proj`` are ``linear_q_proj`` or ``linear_q_down_proj``/``linear_q_up_proj``;
+``kv_a_proj_with_mqa`` (latent, then the shared RoPE key) is ``linear_kv_down_proj``; ``kv_b_proj`` (per head:
+no-RoPE key, then value) is ``linear_kv_up_proj``; the latent norms ``q_a_layernorm``/``kv_a_layernorm`` are
+``q_layernorm``/``kv_layernorm``. transformers' interleaved RoPE (``rope_interleave``) is megatron-core's MLA RoPE,
+which takes the even then the odd channels. YaRN's ``mscale``/``mscale_all_dim`` give both the cos/sin scale and
+the softmax scale correction (``mscale_all_dim``'s squared), as in transformers.
 
-MoE layers (DeepSeek-V3's sigmoid router with expert bias, group-limited top-k, ``routed_scaling_factor``, shared
-experts) are not mapped yet: a config whose ``first_k_dense_replace`` leaves any layer MoE is refused.
+The router is megatron-core's with ``moe_router_score_function: sigmoid`` on fp32 logits (``moe_router_dtype:
+fp32``), ``e_score_correction_bias`` as its expert bias (``router.expert_bias``, which only chooses the experts),
+group-limited top-k (``n_group``/``topk_group`` as ``moe_router_num_groups``/``moe_router_group_topk``: both score
+a group by the sum of its top two experts where ``num_experts_per_tok / topk_group`` is 2, megatron-core's rule),
+the chosen scores renormalised (``norm_topk_prob``) and times ``routed_scaling_factor``
+(``moe_router_topk_scaling_factor``); the ``n_shared_experts`` shared experts are one shared expert of their summed
+FFN size, added without a gate.
 """
 
 from __future__ import annotations
@@ -20,47 +26,90 @@ from typing import Any, Mapping, Optional
 
 from bridge_cli.convert import hf_config, yarn
 from bridge_cli.convert.families.llama_like import INERT_KEYS, LLAMA_STYLE, LlamaLike
+from bridge_cli.convert.families.moe import MOE_INERT_KEYS, MoELike, moe_fixed
 from bridge_cli.convert.hf_config import unsupported
-from bridge_cli.convert.hf_weights import Architecture, Pair
+from bridge_cli.convert.hf_weights import Architecture, Pair, moe_layer_pattern
 
 MLA_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-            "max_position_embeddings", "hidden_act", "rms_norm_eps", "tie_word_embeddings",
-            "rope_parameters", "attention_dropout", "initializer_range", "q_lora_rank", "kv_lora_rank",
-            "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "first_k_dense_replace")
-"""The config.json keys the family reads into the model's fields."""
-UNUSED_MOE_KEYS = ("moe_intermediate_size", "n_shared_experts", "n_routed_experts", "routed_scaling_factor", "n_group",
-                   "topk_group", "num_experts_per_tok", "norm_topk_prob", "output_router_logits")
-"""The MoE layers' keys: no layer of a model this family converts is MoE (``first_k_dense_replace`` covers every
-layer, else the import is refused), so none of them changes the logits."""
+            "max_position_embeddings", "hidden_act", "rms_norm_eps", "tie_word_embeddings", "rope_parameters",
+            "attention_dropout", "initializer_range", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+            "qk_rope_head_dim", "v_head_dim", "first_k_dense_replace")
+"""The config.json keys of the attention and the dense layers that the family reads into the model's fields."""
+ROUTING_KEYS = ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "n_shared_experts",
+                "routed_scaling_factor", "n_group", "topk_group", "norm_topk_prob")
+"""The config.json keys of the MoE layers that the family reads."""
+DENSE_FIXED = {**LLAMA_STYLE, "add_qkv_bias": False, "multi_latent_attention": True, "qk_layernorm": True}
+"""The fixed fields of the attention and the dense layers."""
+ROUTED = {"moe_router_num_groups", "moe_router_group_topk", "moe_router_topk_scaling_factor",
+          "moe_shared_expert_intermediate_size"}
+"""MoE fields config.json sets (MOE_FIXED fixes them for the other MoE families)."""
 
 
-class DeepseekV3(LlamaLike):
+class DeepseekV3(MoELike):
     model_type = "deepseek_v3"
     architecture = "DeepseekV3ForCausalLM"
-    models = ("DeepSeek-V3-style multi-latent attention (q_lora_rank set or null, YaRN with mscale/mscale_all_dim) "
-              "with dense MLP layers")
-    limits = ("refuses MoE layers (first_k_dense_replace below num_hidden_layers: the sigmoid router with expert bias, "
-              "group-limited top-k and routed_scaling_factor are not mapped yet), attention_bias, rope_interleave "
-              "false, RoPE scalings other than yarn; the Hub's "
-              "multi-token-prediction layer (model.layers.<num_hidden_layers>) is not converted")
-    fixed = {**LLAMA_STYLE, "add_qkv_bias": False, "multi_latent_attention": True, "qk_layernorm": True}
-    mapped_keys = MLA_KEYS
+    models = ("DeepSeek-V3, Kimi K2, Moonlight: multi-latent attention (q_lora_rank set or null, YaRN with "
+              "mscale/mscale_all_dim), dense first layers, MoE layers with the sigmoid group-limited router, "
+              "expert bias and shared experts")
+    limits = ("refuses attention_bias, rope_interleave false, RoPE scalings other than yarn, norm_topk_prob false "
+              "(megatron-core renormalises sigmoid scores), num_experts_per_tok / topk_group other than 2 with "
+              "n_group above 1; the Hub's multi-token-prediction layer (model.layers.<num_hidden_layers>) is not "
+              "converted")
+    fixed = {key: value for key, value in moe_fixed(DENSE_FIXED, moe_router_score_function="sigmoid",
+                                                    moe_router_enable_expert_bias=True).items()
+             if key not in ROUTED}
+    mapped_keys = (*MLA_KEYS, *ROUTING_KEYS)
     assumed = {"attention_bias": False, "rope_interleave": True}
     # pretraining_tp: transformers 5 ignores it; num_mtp_layers: speculative decoding only, transformers loads no
     # weights for it; num_key_value_heads: MLA expands the latent into every head's key and value (transformers'
     # SDPA attention reads the head count from them)
-    inert_keys = (*INERT_KEYS, "pretraining_tp", "num_mtp_layers", "num_key_value_heads", *UNUSED_MOE_KEYS)
+    inert_keys = (*INERT_KEYS, "pretraining_tp", "num_mtp_layers", "num_key_value_heads", *MOE_INERT_KEYS)
+    experts_key = "n_routed_experts"
+    all_layers_moe = False
+
+    def fields(self, hf: Mapping[str, Any], where: Path, seq_length=None) -> dict[str, Any]:
+        if any(self.moe_layers(hf, where, hf_config.getter(hf, where)("num_hidden_layers"))):
+            return super().fields(hf, where, seq_length)
+        # every layer dense: the Llama layout's fields, none of the router's
+        dense = LlamaLike.fields(self, hf, where, seq_length)
+        return {key: value for key, value in dense.items() if not key.startswith("moe_")}
+
+    def moe_layers(self, hf: Mapping[str, Any], where: Path, num_layers: int) -> list[bool]:
+        dense = hf.get("first_k_dense_replace")
+        if not isinstance(dense, int) or dense < 0:
+            unsupported(where, f"first_k_dense_replace {dense!r}: a count of layers (0 or more) is needed")
+        return [i >= dense for i in range(num_layers)]
+
+    def router_fields(self, hf: Mapping[str, Any], where: Path, topk: int) -> dict[str, Any]:
+        get = hf_config.getter(hf, where)
+        experts, groups, shared = get("n_routed_experts"), hf.get("n_group") or 1, hf.get("n_shared_experts")
+        if topk > 1 and not hf.get("norm_topk_prob"):
+            unsupported(where, "norm_topk_prob false: megatron-core renormalises the chosen sigmoid scores")
+        if topk == 1 and hf.get("norm_topk_prob"):
+            unsupported(where, "norm_topk_prob with num_experts_per_tok 1 (each token's expert weighs "
+                               "routed_scaling_factor)", "megatron-core's sigmoid router at top-1 keeps the score.")
+        scale = hf.get("routed_scaling_factor")
+        if not isinstance(scale, (int, float)) or scale <= 0:
+            unsupported(where, f"routed_scaling_factor {scale!r}: a positive number is needed")
+        fields = {"moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
+                  "moe_router_dtype": "fp32", "moe_router_topk_scaling_factor": float(scale),
+                  "moe_router_num_groups": None, "moe_router_group_topk": None}
+        if groups > 1:
+            group_topk = get("topk_group")
+            if experts % groups or topk % group_topk or topk // group_topk != 2:
+                unsupported(where, f"n_group {groups}, topk_group {group_topk} with {experts} experts, top-{topk}: "
+                                   "transformers scores a group by its top two experts, megatron-core by its top "
+                                   "num_experts_per_tok / topk_group, so that ratio must be 2 (and n_group divide "
+                                   "n_routed_experts)")
+            fields.update(moe_router_num_groups=groups, moe_router_group_topk=group_topk)
+        if not isinstance(shared, int) or shared < 1:
+            unsupported(where, f"n_shared_experts {shared!r}: transformers' DeepSeek-V3 MoE layer has at least one")
+        return {**fields, "moe_shared_expert_intermediate_size": shared * get("moe_intermediate_size")}
 
     def shape(self, hf: Mapping[str, Any], where: Path) -> dict[str, Any]:
         get = hf_config.getter(hf, where)
         heads = get("num_attention_heads")
         layers = get("num_hidden_layers")
-        dense = hf.get("first_k_dense_replace")
-        if dense is None or dense < layers:
-            unsupported(where, f"first_k_dense_replace {dense!r} with num_hidden_layers {layers}: its MoE layers "
-                               "(sigmoid router with e_score_correction_bias, group-limited top-k over n_group/"
-                               "topk_group, routed_scaling_factor, shared experts) are not mapped yet",
-                        "Only models whose every layer is dense (first_k_dense_replace >= num_hidden_layers) convert.")
         q_rank = hf.get("q_lora_rank")
         return {
             "num_layers": layers,
@@ -115,7 +164,15 @@ class DeepseekV3(LlamaLike):
     # model fields -> config.json
 
     def differences(self, model: Mapping[str, Any]) -> list[str]:
-        out = super().differences(model)
+        if model.get("num_moe_experts"):
+            out = super().differences(model)
+            pattern = moe_layer_pattern(model.get("moe_layer_freq", 1), model["num_layers"])
+            if list(pattern) != sorted(pattern):  # DeepSeek's dense layers come first
+                out.append(f"model.moe_layer_freq={model.get('moe_layer_freq')}")
+            if not model.get("moe_shared_expert_intermediate_size"):
+                out.append("model.moe_shared_expert_intermediate_size=None")
+        else:  # a dense model: the router's fields do not matter
+            out = [line for line in LlamaLike.differences(self, model) if not line.startswith("model.moe_")]
         if model.get("apply_rope_fusion"):
             out.append("model.apply_rope_fusion=True")
         return out
@@ -123,10 +180,12 @@ class DeepseekV3(LlamaLike):
     def hf_config(self, model: Mapping[str, Any]) -> dict[str, Any]:
         config = {key: value for key, value in super().hf_config(model).items()
                   if key not in ("head_dim", "mlp_bias", "rope_scaling")}
+        layers = model["num_layers"]
+        pattern = moe_layer_pattern(model.get("moe_layer_freq", 1), layers) if model.get("num_moe_experts") else ()
         return {**config, "num_key_value_heads": model["num_attention_heads"],
                 "q_lora_rank": model["q_lora_rank"], "kv_lora_rank": model["kv_lora_rank"],
                 "qk_nope_head_dim": model["qk_head_dim"], "qk_rope_head_dim": model["qk_pos_emb_head_dim"],
-                "v_head_dim": model["v_head_dim"], "first_k_dense_replace": model["num_layers"],
+                "v_head_dim": model["v_head_dim"], "first_k_dense_replace": layers - sum(pattern),
                 "rope_interleave": True, "rope_scaling": self.hf_rope_scaling(model)}
 
     def hf_rope_scaling(self, model: Mapping[str, Any]) -> Optional[dict[str, Any]]:
@@ -139,9 +198,21 @@ class DeepseekV3(LlamaLike):
                 **({"mscale": model["mscale"], "mscale_all_dim": mscale_all_dim} if mscale_all_dim else {})}
 
     def hf_extras(self, model: Mapping[str, Any]) -> dict[str, Any]:
-        return {"attention_bias": False}
+        if not model.get("num_moe_experts"):
+            return {"attention_bias": False}
+        expert = model["moe_ffn_hidden_size"]
+        return {"attention_bias": False, **self.moe_config(model), "moe_intermediate_size": expert,
+                "n_shared_experts": model["moe_shared_expert_intermediate_size"] // expert,
+                "routed_scaling_factor": float(model.get("moe_router_topk_scaling_factor") or 1.0),
+                "n_group": model.get("moe_router_num_groups") or 1, "topk_group": model.get("moe_router_group_topk") or 1,
+                "norm_topk_prob": True}
 
     # tensors
+
+    def feed_forward_pairs(self, arch: Architecture, layer: int, m: str, p: str) -> list[Pair]:
+        if not arch.num_experts:  # every layer dense
+            return self.mlp_pairs(arch, m, p)
+        return super().feed_forward_pairs(arch, layer, m, p)
 
     def attention_pairs(self, arch: Architecture, m: str, p: str) -> list[Pair]:
         mla, h = arch.mla, arch.hidden_size
