@@ -137,12 +137,18 @@ def test_a_resumed_run_keeps_the_starting_model_as_its_reference(base, data, one
         assert steps[step] == pytest.approx(values, rel=1e-5, abs=1e-5), step
 
 
-def test_lora_dpo_starts_at_log_2_and_learns(base, data):
-    result = bridge(*dpo(base, data, "peft=lora", "train.train_iters=10", "logger.log_interval=1", "train.eval_iters=0"))
+@pytest.mark.parametrize("variant", [["peft=lora"], ["dataset.packed_sequence_specs.packed_sequence_size=64",
+                                                      "train.micro_batch_size=2", "train.global_batch_size=4"]],
+                         ids=["lora", "packed"])
+def test_dpo_starts_at_log_2_and_learns(base, data, variant):
+    """LoRA's B starts at 0 and the frozen copy is the starting model: the policy is the reference at first.
+    Packed, a row of 64 tokens holds two whole pairs (32 tokens each)."""
+    result = bridge(*dpo(base, data, *variant, "train.train_iters=10", "logger.log_interval=1", "train.eval_iters=0"))
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "DPO reference: the base model, the LoRA adapters off" in result.stdout
+    if "peft=lora" in variant:
+        assert "DPO reference: the base model, the LoRA adapters off" in result.stdout
     steps = curve(result.stdout)
-    assert steps[1][0] == pytest.approx(0.693147, abs=1e-5) and steps[1][3] == 0  # B = 0: the policy is the base
+    assert steps[1][0] == pytest.approx(0.693147, abs=1e-5) and steps[1][3] == 0
     assert steps[10][3] > 0.1 and steps[10][0] < steps[1][0]
 
 
