@@ -86,18 +86,24 @@ class DPOForwardStep:
         return self.reference[0](*inputs, labels=labels, **documents)
 
 
+def check_reference(cfg) -> None:
+    """Without peft, the frozen copy is read from checkpoint.pretrained_checkpoint, which must be set."""
+    from bridge_cli.config.errors import ConfigError
+
+    if cfg.peft is None and cfg.checkpoint.pretrained_checkpoint is None:
+        raise ConfigError("checkpoint.pretrained_checkpoint", "is not set; finetune.objective=dpo without peft "
+                          "compares the model with a frozen copy of the one it started from, read from there.",
+                          "Set checkpoint.pretrained_checkpoint=DIR (the DPO run's starting checkpoint), also when "
+                          "resuming from or evaluating checkpoint.load.")
+
+
 def build_reference(state: GlobalState) -> list:
     """A frozen copy of the starting model: ``checkpoint.pretrained_checkpoint``'s weights, eval mode, no gradients."""
     from bridge_cli.checkpoint.load import load_checkpoint
     from bridge_cli.convert.hf_training import converted_for_loading
     from bridge_cli.training.setup import build_model
 
-    from bridge_cli.config.errors import ConfigError
-
-    if state.cfg.checkpoint.pretrained_checkpoint is None:
-        raise ConfigError("checkpoint.pretrained_checkpoint", "is not set; finetune.objective=dpo without peft "
-                          "compares the model with a frozen copy of the one it started from, read from there.",
-                          "Set checkpoint.pretrained_checkpoint=DIR, the checkpoint the DPO run started from.")
+    check_reference(state.cfg)
     cfg = copy.copy(state.cfg)
     # the starting weights even when resuming: checkpoint.load holds the policy's
     cfg.peft, cfg.checkpoint = None, dataclasses.replace(state.cfg.checkpoint, load=None)

@@ -62,10 +62,10 @@ def check_finetune_inputs(config: ConfigContainer) -> None:
     if ckpt.pretrained_checkpoint is not None and not is_hf_folder(ckpt.pretrained_checkpoint):
         require_checkpoint(Path(ckpt.pretrained_checkpoint),
                            label=f"checkpoint.pretrained_checkpoint={ckpt.pretrained_checkpoint}")
-    if config.finetune.objective == "dpo" and config.peft is None and ckpt.pretrained_checkpoint is None:
-        raise ConfigError("checkpoint.pretrained_checkpoint", "is not set; finetune.objective=dpo without peft "
-                          "compares the model with a frozen copy of the one it started from, read from there.",
-                          "Set checkpoint.pretrained_checkpoint=DIR, also when resuming from checkpoint.load.")
+    if config.finetune.objective == "dpo":
+        from bridge_cli.training.dpo_step import check_reference
+
+        check_reference(config)
     if isinstance(config.dataset, FinetuningDatasetConfig) and not config.train.skip_train:
         from bridge_cli.data.sft import dataset_root
 
