@@ -260,4 +260,9 @@ def _mtp_block_spec(config, layers, use_te: bool, vp_stage: Optional[int]):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
 
     last = layers.layer_specs[-1] if hasattr(layers, "layer_specs") else layers
-    return get_gpt_mtp_block_spec(config, last, use_transformer_engine=use_te, vp_stage=vp_stage)
+    block = get_gpt_mtp_block_spec(config, last, use_transformer_engine=use_te, vp_stage=vp_stage)
+    if block is not None and not use_te and config.sequence_parallel:
+        from bridge_cli.models.specs import use_sequence_parallel_norms_in_mtp
+
+        use_sequence_parallel_norms_in_mtp(block)
+    return block

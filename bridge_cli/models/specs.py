@@ -183,6 +183,21 @@ def _use_sequence_parallel_norms(block: TransformerBlockSubmodules, layers: list
     _replace_norms(block, layers, (WrappedTorchNorm,), SequenceParallelTorchNorm)
 
 
+def use_sequence_parallel_norms_in_mtp(block) -> None:
+    """Swap WrappedTorchNorm for :class:`SequenceParallelTorchNorm` in megatron-core's multi-token-prediction block
+    spec (its embedding, hidden and final norms; its transformer layer is the decoder's last, swapped already), so
+    MTP trains under sequence parallelism on the ``local`` and ``torch`` specs (DeepSeek-V3's MoE layers need SP at
+    TP > 1)."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    from bridge_cli.models.sequence_parallel_norm import SequenceParallelTorchNorm
+
+    for layer in block.layer_specs:
+        for field in ("enorm", "hnorm", "layer_norm"):
+            if getattr(layer.submodules, field, None) is WrappedTorchNorm:
+                setattr(layer.submodules, field, SequenceParallelTorchNorm)
+
+
 def _replace_norms(block: TransformerBlockSubmodules, layers: list, old: tuple, new: type) -> None:
     """Swap the norm classes ``old`` for ``new`` in a block spec: its final norm and its layers' norms."""
     if block.layer_norm in old:
