@@ -29,8 +29,8 @@ def curve(result) -> tuple[list[float], list[float]]:
     return values, norms
 
 
-def assert_same_run(layout, reference) -> None:
-    assert layout[0] == pytest.approx(reference[0], rel=1e-3), (layout, reference)
+def assert_same_run(layout, reference, rel: float = 1e-5) -> None:
+    assert layout[0] == pytest.approx(reference[0], rel=rel), (layout, reference)
     assert layout[1] == pytest.approx(reference[1], abs=2e-3), (layout, reference)  # clipping sees the same norm
 
 
@@ -57,7 +57,7 @@ def test_expert_tensor_parallel_two_by_expert_parallel_two_matches_one_process()
     one = curve(bridge("pretrain", *SHORT, *FOUR_RANKS))
     layout = curve(torchrun(4, "pretrain", *SHORT, *FOUR_RANKS, "model.expert_model_parallel_size=2",
                             "model.expert_tensor_parallel_size=2"))
-    assert_same_run(layout, one)
+    assert_same_run(layout, one, rel=1e-4)  # the experts' FFN split in two sums in another order: 1.2e-5 at step 12
 
 
 EP2 = ["model.expert_model_parallel_size=2"]
