@@ -120,6 +120,12 @@ def calc_params_l2_norm(model: list) -> float:
     return float(squares.sqrt().item())
 
 
+def is_cross_entropy(name: str) -> bool:
+    """Whether a reported loss is a cross entropy over tokens, whose exp is a perplexity: the language model's and
+    each multi-token-prediction depth's, not DPO's loss, rewards or accuracy."""
+    return name == "lm loss" or (name.startswith("mtp_") and name.endswith(" loss"))
+
+
 def perplexity(loss: float) -> float:
     """exp(loss), capped at exp(20) so a diverged loss prints a number."""
     return math.exp(min(loss, 20.0))

@@ -188,16 +188,17 @@ class TrainingLogger:
         self.writer.add_scalars({f"{k} vs samples": values[k] for k in vs_samples if values.get(k) is not None}, samples)
 
     def validation(self, label: str, results: dict[str, float], split: str = "validation") -> None:
-        from bridge_cli.logging.reports import perplexity
+        from bridge_cli.logging.reports import is_cross_entropy, perplexity
 
         if not results:
             return
         self.console.print(f"{label} | " + " | ".join(
-            f"{k} {v:.6f} | {k} PPL {perplexity(v):.3f}" for k, v in results.items()))
+            f"{k} {v:.6f}" + (f" | {k} PPL {perplexity(v):.3f}" if is_cross_entropy(k) else "")
+            for k, v in results.items()))
         ts = self.state.train_state
         values = {f"{k} {split}": v for k, v in results.items()}
         if self.cfg.logger.log_validation_ppl_to_tensorboard:
-            values.update({f"{k} {split} ppl": perplexity(v) for k, v in results.items()})
+            values.update({f"{k} {split} ppl": perplexity(v) for k, v in results.items() if is_cross_entropy(k)})
         self.writer.add_scalars(values, ts.step)
         self.writer.add_scalars({f"{k} vs samples": v for k, v in values.items()}, ts.consumed_train_samples)
 

@@ -72,8 +72,9 @@ def test_tiny_dpo_raises_reward_accuracy_and_margin(base, tiny_dpo_run):
     assert last[4] > first[4] and last[4] >= 0.9, steps
     assert last[3] > first[3] + 0.5 and last[3] == pytest.approx(last[1] - last[2], abs=2e-6)
     validation = re.search(r"^validation at the end of training \(iteration 30\) \| dpo loss .*"
-                           r"\| reward accuracy ([0-9.]+) ", stdout, re.M)
+                           r"\| reward accuracy ([0-9.]+)$", stdout, re.M)
     assert float(validation.group(1)) >= 0.9
+    assert "PPL" not in validation.group(0)  # no perplexity of a DPO loss, reward or accuracy
 
 
 def test_eval_reports_held_out_reward_accuracy(base, data, tiny_dpo_run, tmp_path):
