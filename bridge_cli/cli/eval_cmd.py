@@ -23,7 +23,8 @@ def print_report(report, output: Optional[Path]) -> None:
     for split, values in report.splits.items():
         for name, value in values.items():
             if not name.endswith(" PPL"):
-                table.add_row(split, name, f"{value:.6f}", f"{values.get(f'{name} PPL', float('nan')):.3f}")
+                ppl = values.get(f"{name} PPL")
+                table.add_row(split, name, f"{value:.6f}", "" if ppl is None else f"{ppl:.3f}")
     Console().print(table)
     if output is not None:
         output.parent.mkdir(parents=True, exist_ok=True)

@@ -42,7 +42,7 @@ def evaluate_checkpoint(config: ConfigContainer, forward_step_func: ForwardStepC
     from bridge_cli.training.pretrain import run_session
     from bridge_cli.training.setup import adapter_policy, build_data_iterators, build_model, initialize
     from bridge_cli.training.train import evaluate
-    from bridge_cli.logging.reports import perplexity
+    from bridge_cli.logging.reports import is_cross_entropy, perplexity
     from bridge_cli.runtime.collectives import is_last_rank
 
     checkpoint, iteration = _checkpoint_to_evaluate(config)
@@ -68,10 +68,10 @@ def evaluate_checkpoint(config: ConfigContainer, forward_step_func: ForwardStepC
             if iterator is None:
                 continue
             losses, _ = evaluate(state, forward_step_func, iterator, model, config.train.eval_iters)
-            report.splits[split] = dict(losses)
-            if config.finetune.objective != "dpo":  # DPO's rewards and accuracy have no perplexity
-                report.splits[split] = {name: value for key, loss in losses.items()
-                                        for name, value in ((key, loss), (f"{key} PPL", perplexity(loss)))}
+            # a perplexity for each cross entropy; DPO's loss, rewards and accuracy have none
+            report.splits[split] = {name: value for key, loss in losses.items()
+                                    for name, value in ((key, loss), (f"{key} PPL", perplexity(loss)))
+                                    if name == key or is_cross_entropy(key)}
         return report if is_last_rank() else None
 
 
