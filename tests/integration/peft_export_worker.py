@@ -18,20 +18,11 @@ from bridge_cli.training.config import ConfigContainer
 
 
 def main(recipe: str, adapters: str, tokens_file: str, out: str, *overrides: str) -> None:
-    from bridge_cli.checkpoint.load import load_checkpoint
-    from bridge_cli.training.pretrain import run_session
-    from bridge_cli.training.setup import adapter_policy, build_model, initialize
+    from lora_worker import logits  # beside this script: the LoRA model's logits as the merge test reads them
 
     tokens = torch.load(tokens_file)
     cfg = ConfigContainer.from_yaml_dict(compose(recipe, [*overrides, f"checkpoint.load={adapters}"]))
-    with run_session(cfg) as state:
-        model = build_model(cfg, initialize(state))
-        load_checkpoint(state, model, None, None, weights_only=True, adapters=adapter_policy(cfg))
-        model[0].eval()
-        with torch.no_grad():
-            positions = torch.arange(tokens.shape[1]).expand_as(tokens)
-            logits = model[0](tokens, positions, None).float()
-    torch.save(logits[..., : cfg.model.vocab_size].contiguous(), out)
+    torch.save(logits(cfg, tokens)[..., : cfg.model.vocab_size].contiguous(), out)
 
 
 if __name__ == "__main__":

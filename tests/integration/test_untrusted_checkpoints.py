@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import io
-import os
 import pickle
 import shutil
 import signal
@@ -19,21 +18,11 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import bridge
+from tests.unit.test_safe_pickle import TRUST, Planted
 
 pytestmark = pytest.mark.slow
 
 TINY = ["recipe=tiny", "train.eval_iters=0"]
-TRUST = "BRIDGE_TRUST_CHECKPOINT_PICKLES"
-
-
-class Planted:
-    """Unpickling it runs a shell command (pickle calls os.system)."""
-
-    def __init__(self, marker: Path):
-        self.marker = marker
-
-    def __reduce__(self):
-        return os.system, (f"touch {self.marker}",)
 
 
 @pytest.fixture(scope="module")

@@ -31,6 +31,8 @@ TRUST = "BRIDGE_TRUST_CHECKPOINT_PICKLES"
 
 
 class Planted:
+    """Unpickling it runs a shell command (pickle calls os.system)."""
+
     def __init__(self, marker: Path):
         self.marker = marker
 
