@@ -137,35 +137,23 @@ def test_kill_9_during_a_save_resumes_from_the_previous_checkpoint(reference, tm
     assert iterations(root) == ["iter_0000010", "iter_0000020", "iter_0000030", "iter_0000040"]
 
 
-def test_checkpoints_reshard_between_tensor_parallel_sizes(reference, stopped_at_20, tmp_path):
-    """TP=1 (saved at 20) -> TP=2 (resumes, saves at 30) -> TP=1 (resumes to 40), optimizer state included."""
+@pytest.mark.parametrize("layout, started, saved_as", [
+    ("model.tensor_model_parallel_size=2", "TP 2", "pipeline x tensor parallel 1 x 2"),
+    ("model.pipeline_model_parallel_size=2", "PP 2", "pipeline x tensor parallel 2 x 1"),
+], ids=["tensor", "pipeline"])
+def test_checkpoints_reshard_between_parallel_sizes(reference, stopped_at_20, tmp_path, layout, started, saved_as):
+    """One process (saved at 20) -> TP=2 or PP=2 (resumes, saves at 30) -> one process (resumes to 40), optimizer
+    state included."""
     root = tmp_path / "ckpt"
     shutil.copytree(stopped_at_20, root)
-    out = ok(torchrun(2, "pretrain", *ARGS, f"checkpoint.save={root}", "model.tensor_model_parallel_size=2",
-                      "train.exit_interval=30"))
-    assert "TP 2" in out and f"loaded checkpoint {root}/iter_0000020" in out
+    out = ok(torchrun(2, "pretrain", *ARGS, f"checkpoint.save={root}", layout, "train.exit_interval=30"))
+    assert started in out and f"loaded checkpoint {root}/iter_0000020" in out
     assert "saved with pipeline x tensor parallel 1 x 1; the RNG states are not restored" in out
-    tp2 = losses(out)
+    parallel = losses(out)
     out = ok(bridge("pretrain", *ARGS, f"checkpoint.save={root}"))
-    assert f"loaded checkpoint {root}/iter_0000030" in out and "pipeline x tensor parallel 1 x 2" in out
-    resumed = {**tp2, **losses(out)}
-    assert sorted(resumed) == list(range(21, 41))
-    for i in range(21, 41):
-        assert float(resumed[i]) == pytest.approx(float(reference[i]), rel=1e-5), i
-
-
-def test_checkpoints_reshard_between_pipeline_parallel_sizes(reference, stopped_at_20, tmp_path):
-    """PP=1 (saved at 20) -> PP=2 (resumes, saves at 30) -> PP=1 (resumes to 40), optimizer state included."""
-    root = tmp_path / "ckpt"
-    shutil.copytree(stopped_at_20, root)
-    out = ok(torchrun(2, "pretrain", *ARGS, f"checkpoint.save={root}", "model.pipeline_model_parallel_size=2",
-                      "train.exit_interval=30"))
-    assert "PP 2" in out and f"loaded checkpoint {root}/iter_0000020" in out
-    pp2 = losses(out)
-    out = ok(bridge("pretrain", *ARGS, f"checkpoint.save={root}"))
-    assert f"loaded checkpoint {root}/iter_0000030" in out and "pipeline x tensor parallel 2 x 1" in out
+    assert f"loaded checkpoint {root}/iter_0000030" in out and saved_as in out
     assert "optimizer starts fresh" not in out
-    resumed = {**pp2, **losses(out)}
+    resumed = {**parallel, **losses(out)}
     assert sorted(resumed) == list(range(21, 41))
     for i in range(21, 41):
         assert float(resumed[i]) == pytest.approx(float(reference[i]), rel=1e-5), i

@@ -444,15 +444,23 @@ def test_a_gpt2_trained_from_the_gpt2_124m_recipe_exports_as_transformers_comput
     assert not (work / "erf_hf").exists()
 
 
+def one_process_and_parallel(imported, family: str, ranks: int, layout: list[str], *extra: str) -> list:
+    """The imported ``family``'s recipe for 3 iterations in one process and on ``ranks`` with ``layout``:
+    [(losses, grad norms)] of each."""
+    args = ["pretrain", f"recipe={imported[family] / 'recipe.yaml'}", "train.train_iters=3", "train.eval_iters=0",
+            "logger.log_interval=1", "train.global_batch_size=4", "train.micro_batch_size=2", "model.seq_length=64",
+            *extra]
+    runs = (ok(bridge(*args)), ok(torchrun(ranks, *args, *layout)))
+    return [(losses(run.stdout), [float(n) for n in re.findall(r"\| grad norm ([0-9.]+) ", run.stdout)])
+            for run in runs]
+
+
+TP2_SP = ["model.tensor_model_parallel_size=2", "model.sequence_parallel=true"]
+
 @pytest.mark.slow
 def test_imported_olmoe_trains_the_same_at_tensor_parallel_two(imported):
     """OLMoE's q/k norms over the whole projection all-reduce over the TP group, forward and backward."""
-    args = ["pretrain", f"recipe={imported['olmoe'] / 'recipe.yaml'}", "train.train_iters=3", "train.eval_iters=0",
-            "logger.log_interval=1", "train.global_batch_size=4", "train.micro_batch_size=2", "model.seq_length=64"]
-    one = ok(bridge(*args))
-    two = ok(torchrun(2, *args, "model.tensor_model_parallel_size=2", "model.sequence_parallel=true"))
-    curves = [(losses(run.stdout), [float(n) for n in re.findall(r"\| grad norm ([0-9.]+) ", run.stdout)])
-              for run in (one, two)]
+    curves = one_process_and_parallel(imported, "olmoe", 2, TP2_SP)
     assert len(curves[0][0]) == 3 and curves[1][0] == pytest.approx(curves[0][0], rel=1e-4), curves
     assert curves[1][1] == pytest.approx(curves[0][1], abs=2e-3), curves
 
@@ -461,13 +469,7 @@ def test_imported_olmoe_trains_the_same_at_tensor_parallel_two(imported):
 def test_imported_gpt_oss_trains_the_same_at_tensor_and_expert_parallel_two(imported):
     """Its biased experts at expert TP 1 (bridge_cli/models/expert_linear.py): one process, and TP 2 x EP 2 on four,
     give the same losses and grad norms."""
-    args = ["pretrain", f"recipe={imported['gpt_oss'] / 'recipe.yaml'}", "train.train_iters=3", "train.eval_iters=0",
-            "logger.log_interval=1", "train.global_batch_size=4", "train.micro_batch_size=2", "model.seq_length=64"]
-    one = ok(bridge(*args))
-    four = ok(torchrun(4, *args, "model.tensor_model_parallel_size=2", "model.sequence_parallel=true",
-                       "model.expert_model_parallel_size=2"))
-    curves = [(losses(run.stdout), [float(n) for n in re.findall(r"\| grad norm ([0-9.]+) ", run.stdout)])
-              for run in (one, four)]
+    curves = one_process_and_parallel(imported, "gpt_oss", 4, [*TP2_SP, "model.expert_model_parallel_size=2"])
     assert len(curves[0][0]) == 3 and curves[1][0] == pytest.approx(curves[0][0], rel=1e-4), curves
     assert curves[1][1] == pytest.approx(curves[0][1], abs=2e-3), curves
 
@@ -702,12 +704,7 @@ def test_an_imported_deepseek_v3_trains(imported):
     megatron-core's MoE layer needs) as in one process: the RoPE key
     shared by the heads learns from every rank's heads (bridge_cli/models/mla.py; megatron-core's gather gave each
     rank's share only, and the losses drifted by 1e-4 from the second step)."""
-    args = ["pretrain", f"recipe={imported['deepseek_v3'] / 'recipe.yaml'}", "train.train_iters=3", "train.eval_iters=0",
-            "logger.log_interval=1", "train.global_batch_size=4", "train.micro_batch_size=2", "model.seq_length=64"]
-    one = ok(bridge(*args))
-    two = ok(torchrun(2, *args, "model.tensor_model_parallel_size=2", "model.sequence_parallel=true"))
-    curves = [(losses(run.stdout), [float(n) for n in re.findall(r"\| grad norm ([0-9.]+) ", run.stdout)])
-              for run in (one, two)]
+    curves = one_process_and_parallel(imported, "deepseek_v3", 2, TP2_SP)
     assert len(curves[0][0]) == 3 and all(math.isfinite(loss) for loss in curves[0][0]), curves
     assert curves[1][0] == pytest.approx(curves[0][0], rel=1e-5), curves
     assert curves[1][1] == pytest.approx(curves[0][1], abs=2e-3), curves
@@ -717,12 +714,7 @@ def test_an_imported_deepseek_v3_trains(imported):
 def test_an_imported_deepseek_v3_trains_on_documents_under_context_parallelism(imported):
     """Rows of several documents (masked per document, RoPE from 0 in each) at CP=2 as in one process: the MLA
     keys and values are all-gathered over the CP group as the other layers' are."""
-    args = ["pretrain", f"recipe={imported['deepseek_v3'] / 'recipe.yaml'}", "train.train_iters=3", "train.eval_iters=0",
-            "logger.log_interval=1", "train.global_batch_size=4", "train.micro_batch_size=2", "model.seq_length=64",
-            "dataset.reset_attention_mask=true", "dataset.reset_position_ids=true"]
-    one = ok(bridge(*args))
-    two = ok(torchrun(2, *args, "model.context_parallel_size=2"))
-    curves = [(losses(run.stdout), [float(n) for n in re.findall(r"\| grad norm ([0-9.]+) ", run.stdout)])
-              for run in (one, two)]
+    curves = one_process_and_parallel(imported, "deepseek_v3", 2, ["model.context_parallel_size=2"],
+                                      "dataset.reset_attention_mask=true", "dataset.reset_position_ids=true")
     assert len(curves[0][0]) == 3 and curves[1][0] == pytest.approx(curves[0][0], rel=1e-5), curves
     assert curves[1][1] == pytest.approx(curves[0][1], abs=2e-3), curves
