@@ -353,7 +353,7 @@ def _initialize_optimizer_state(optimizer) -> None:
     With torch's Adam (no Transformer Engine / Apex) that state exists only after a first step; the
     values this dummy step writes are all overwritten by the load.
     """
-    for member in getattr(optimizer, "chained_optimizers", [optimizer]):
+    for member in optimizer_by_name.members(optimizer):
         initialize = getattr(member, "_init_optimizer_states_with_dummy_values", None)
         if initialize is not None and not member.optimizer.state:
             initialize()
@@ -365,7 +365,7 @@ def _load_optimizer(optimizer, saved, state) -> None:
     # With torch's Adam, megatron-core's DistributedOptimizer saves the step count in each param
     # group and, loading, leaves the per-parameter "step" tensors at their placeholder value (and
     # shared between parameters): set each from its group.
-    for member in getattr(optimizer, "chained_optimizers", [optimizer]):
+    for member in optimizer_by_name.members(optimizer):
         inner = getattr(member, "optimizer", None)
         for group in getattr(inner, "param_groups", []):
             for param in group["params"]:

@@ -39,10 +39,9 @@ class DeviceTokenDispatcher(MoETokenDispatcher):
     def __init__(self, replaced: MoETokenDispatcher):
         groups = SimpleNamespace(ep=replaced.ep_group, expt_tp=replaced.tp_group, tp_ep=replaced.tp_ep_group)
         super().__init__(config=replaced.config, pg_collection=groups)
-        self.topk = replaced.config.moe_router_topk
         self.local = slice(replaced.local_expert_indices[0],
                            replaced.local_expert_indices[0] + replaced.num_local_experts)
-        self.slots = min(self.topk, replaced.num_local_experts)
+        self.slots = min(replaced.config.moe_router_topk, replaced.num_local_experts)
         self.group_size = self.tp_size * self.ep_size
         # with every expert here, each token sends exactly topk pairs: no tail to skip
         self.all_experts_here = replaced.num_local_experts == replaced.config.num_moe_experts
