@@ -24,14 +24,13 @@ number and the layer's name, so it is the same under any tensor/pipeline layout.
 
 from __future__ import annotations
 
-import math
-import zlib
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from bridge_cli.config.peft_config import LoRAConfig
+from bridge_cli.peft.lora_init import adapter_seed, draw_a
 from bridge_cli.runtime.errors import RuntimeUnavailable
 
 ADAPTER = "adapter"
@@ -110,20 +109,6 @@ class LoRAAdapter(torch.nn.Module):
             sharded[key] = apply_swiglu_sharded_factory(sharded[key], sharded_offsets,
                                                         (metadata or {}).get("singleton_local_shards", False))
         return sharded
-
-
-def adapter_seed(seed: int, layer_number: int, name: str) -> int:
-    """The seed the A of layer ``layer_number``'s module ``name`` is drawn from: the same under any layout."""
-    return zlib.crc32(f"{seed}:{layer_number}:{name}".encode())
-
-
-def draw_a(dim: int, in_features: int, method: str, seed: int) -> torch.Tensor:
-    """A LoRA A matrix (``dim x in_features``), drawn from its own generator seeded with ``seed``."""
-    weight = torch.empty(dim, in_features)
-    generator = torch.Generator().manual_seed(seed)
-    if method == "xavier":
-        return torch.nn.init.xavier_normal_(weight, generator=generator)
-    return torch.nn.init.kaiming_uniform_(weight, a=math.sqrt(5), generator=generator)
 
 
 class _LoRALayer:

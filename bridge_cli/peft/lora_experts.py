@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from bridge_cli.config.peft_config import LoRAConfig
 from bridge_cli.models.moe_experts import GroupedGemmExperts, grouped_linear
+from bridge_cli.peft.lora_init import adapter_seed, draw_a
 from bridge_cli.runtime.errors import RuntimeUnavailable
 
 EXPERT_LINEARS = ("linear_fc1", "linear_fc2")
@@ -30,8 +31,6 @@ class GroupedLoRAAdapter(torch.nn.Module):
 
     def __init__(self, experts: GroupedGemmExperts, cfg: LoRAConfig, targets: list[str], seed_of):
         super().__init__()
-        from bridge_cli.peft.lora import draw_a
-
         first = experts.ep_group.rank() * experts.num_local_experts
         shapes = {"linear_fc1": experts.weight1.shape[1:], "linear_fc2": experts.weight2.shape[1:]}
         factory = dict(dtype=experts.weight1.dtype, device=experts.weight1.device)
@@ -92,8 +91,6 @@ def add_grouped_adapter(experts: GroupedGemmExperts, cfg: LoRAConfig, targets: l
         raise RuntimeUnavailable(f"peft=lora on grouped-GEMM experts needs expert tensor parallelism 1 (layer "
                                  f"{layer_number} splits its experts over {experts.tp_group.size()} ranks). Set "
                                  "model.expert_tensor_parallel_size=1, or model.moe_grouped_gemm=false.")
-
-    from bridge_cli.peft.lora import adapter_seed
 
     def seed_of(expert: int, linear: str) -> int:
         # the seed SequentialMLP's adapter of this (global) expert draws A from
