@@ -112,7 +112,7 @@ def save_weights(model, cfg, root: Path) -> Path:
     its run_config.yaml.
     """
     from bridge_cli.checkpoint.save import write_checkpoint
-    from bridge_cli.training.state import TrainState
+    from bridge_cli.checkpoint.train_state import TrainState
 
     metadata = state_dict.content_metadata(cfg.optimizer.use_distributed_optimizer)
     sharded = {**state_dict.header(TrainState()), "model": model.sharded_state_dict(metadata=metadata)}

@@ -1,35 +1,19 @@
-"""GlobalState: the one mutable object of a run, passed explicitly (never a module global)."""
+"""GlobalState: the one mutable object of a run, passed explicitly (never a module global).
+
+TrainState, its progress counters, lives with the checkpoints that save it (bridge_cli/checkpoint/train_state.py)
+and is importable from here under Megatron-Bridge's name."""
 
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
+
+from bridge_cli.checkpoint.train_state import TrainState
 
 if TYPE_CHECKING:
     from bridge_cli.runtime.distributed import Runtime
     from bridge_cli.training.config import ConfigContainer
-
-
-@dataclass
-class TrainState:
-    """Progress counters; saved in checkpoints so a resumed run continues where it stopped."""
-
-    step: int = 0
-    consumed_train_samples: int = 0
-    skipped_train_samples: int = 0
-    consumed_valid_samples: int = 0
-    floating_point_operations_so_far: float = 0.0
-    do_train: bool = False
-    do_valid: bool = False
-    do_test: bool = False
-
-    def state_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        for key, value in state.items():
-            setattr(self, key, value)
 
 
 @dataclass
