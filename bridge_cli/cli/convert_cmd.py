@@ -35,11 +35,23 @@ def import_hf(
     import_megatron_core(runs_model=False)  # converts weights, runs no model: the fused kernels stay uncompiled
     from bridge_cli.convert.hf_import import import_hf as run_import
 
-    done = run_import(hf_dir, out_dir, recipe, tp, pp, seq_length, recipes_dir)
+    done = run_import(hf_dir, out_dir, _validated_recipe, recipe, tp, pp, seq_length, recipes_dir)
     typer.echo(f"imported {done.model_type} from {hf_dir}: {done.parameters:,} parameters ({done.dtypes})\n"
                f"  checkpoint {done.checkpoint} (torch_dist; loads under any tensor/pipeline-parallel layout)\n"
                f"  recipe     {done.recipe}\n"
                f"train from it: bridge pretrain recipe={done.recipe}")
+
+
+def _validated_recipe(recipe: Path, world_size: int):
+    """import-hf's written recipe, composed and validated as `bridge pretrain` would, for the device it
+    trains on (a GPU recipe's import runs on a CPU node too)."""
+    from bridge_cli.config.compose import compose
+    from bridge_cli.runtime.device_rules import needs_cuda
+    from bridge_cli.training.config import ConfigContainer
+
+    cfg = ConfigContainer.from_yaml_dict(compose(str(recipe), []))
+    cfg.validate(world_size, "cuda" if needs_cuda(cfg) else None)
+    return cfg
 
 
 @app.command("export-hf")

@@ -18,7 +18,7 @@ from __future__ import annotations
 import types
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import yaml
 
@@ -42,14 +42,16 @@ class Imported:
     dtypes: str
 
 
-def import_hf(hf_dir: Path, out_dir: Path, base_recipe: str = "tiny", tensor_parallel: int = 1,
-              pipeline_parallel: int = 1, seq_length: Optional[int] = None,
+def import_hf(hf_dir: Path, out_dir: Path, load_recipe: Callable[[Path, int], Any], base_recipe: str = "tiny",
+              tensor_parallel: int = 1, pipeline_parallel: int = 1, seq_length: Optional[int] = None,
               recipes_dirs: Optional[list[Path]] = None) -> Imported:
     """Convert the Hugging Face model in ``hf_dir`` into ``out_dir`` (new or empty).
 
     The recipe takes its training settings from ``base_recipe`` and its model section from
     config.json; ``tensor_parallel``/``pipeline_parallel`` only go into the recipe, since the
-    checkpoint loads under any layout.
+    checkpoint loads under any layout. ``load_recipe(path, world_size)`` composes and validates the
+    written recipe as `bridge pretrain` would and returns its ConfigContainer: the command passes
+    training's, which this package sits below (docs/architecture.md).
     """
     from bridge_cli.config import recipes
     from bridge_cli.convert.hf_weights import Architecture
@@ -68,7 +70,8 @@ def import_hf(hf_dir: Path, out_dir: Path, base_recipe: str = "tiny", tensor_par
         recipe = staging / RECIPE
         recipe.write_text(recipe_text(base, fields, hf_dir, out_dir, hf["model_type"], tensor_parallel,
                                       pipeline_parallel))
-        cfg = _load_recipe(recipe, fields, tensor_parallel * pipeline_parallel)
+        cfg = load_recipe(recipe, tensor_parallel * pipeline_parallel)
+        _check_derived_model(cfg, fields)
         parameters, dtypes = _convert(weights, todo, arch, cfg, staging)
     return Imported(out_dir, out_dir / "iter_0000000", out_dir / RECIPE, family.model_type, parameters, dtypes)
 
@@ -119,26 +122,16 @@ def recipe_text(base, fields: dict, hf_dir: Path, out_dir: Path, model_type: str
     return header + yaml.safe_dump(recipe, sort_keys=False)
 
 
-def _load_recipe(recipe: Path, fields: dict, world_size: int):
-    """The written recipe, composed and validated as `bridge pretrain` would, with config.json's model.
-
-    Validation derives some model fields (a tokenizer sets the vocabulary size); one that no longer
-    matches config.json is refused rather than converted into another shape.
-    """
-    from bridge_cli.config.compose import compose
+def _check_derived_model(cfg, fields: dict) -> None:
+    """Validation derives some model fields (a tokenizer sets the vocabulary size); one that no longer
+    matches config.json is refused rather than converted into another shape."""
     from bridge_cli.config.errors import ConfigError
-    from bridge_cli.runtime.device_rules import needs_cuda
-    from bridge_cli.training.config import ConfigContainer
 
-    cfg = ConfigContainer.from_yaml_dict(compose(str(recipe), []))
-    # for the device the recipe trains on: a GPU recipe's import runs on a CPU node too
-    cfg.validate(world_size, "cuda" if needs_cuda(cfg) else None)
     model = cfg.run_record()["model"]
     for key, value in fields.items():
         if model[key] != value:
             raise ConfigError(f"model.{key}", f"the recipe makes it {model[key]}; config.json says {value}.",
                               "Import with another --recipe (its tokenizer may set the vocabulary size).")
-    return cfg
 
 
 def _convert(weights: SafetensorsFolder, todo: list, arch, cfg, staging: Path) -> tuple[int, str]:
