@@ -55,7 +55,7 @@ def load_config(overrides: list[str] | None, recipes_dir: list[Path] | None, wor
 
     import_megatron_core(runs_model)
     from bridge_cli.config.compose import compose
-    from bridge_cli.convert import hf_training
+    from bridge_cli.convert import hf_training, old_imports
     from bridge_cli.training.config import ConfigContainer
 
     recipe, rest = DEFAULT_RECIPE, []
@@ -82,6 +82,8 @@ def load_config(overrides: list[str] | None, recipes_dir: list[Path] | None, wor
             container.checkpoint.load = load
         for line in lines if is_rank_zero() else []:
             print(line, flush=True)
+    # an import that capped seq_length at a sliding window, from before import-hf mapped windows
+    old_imports.check_seq_length(container.checkpoint, container.model.seq_length)
     container.validate(world_size, getattr(device, "value", device))
     return recipe, container
 

@@ -125,6 +125,9 @@ class LlamaLike:
             "hidden_dropout": 0.0,
             "attention_dropout": float(hf.get("attention_dropout", 0.0)),
             "init_method_std": float(hf.get("initializer_range", 0.02)),
+            # null where a family with windows has none, so the recipe says so (bridge_cli/convert/old_imports.py
+            # tells an import that capped seq_length at the window instead by the key's absence)
+            **({"window_size": None} if self.windows else {}),
             **window_fields(hf, self.layer_kinds(hf, shape["num_layers"], where), where),
         }
 
