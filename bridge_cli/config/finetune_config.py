@@ -1,7 +1,9 @@
-"""Fine-tuning objective sections: `finetune.objective` (sft or dpo) and DPO's settings (`dpo.*`)."""
+"""Fine-tuning objective sections: `finetune.objective` (sft, dpo or distill), DPO's settings (`dpo.*`) and
+knowledge distillation's (`distill.*`)."""
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Optional
 
 from bridge_cli.config.errors import ConfigError
 from bridge_cli.config.fields import one_of
@@ -11,8 +13,9 @@ from bridge_cli.config.fields import one_of
 class FinetuneConfig:
     """What `bridge finetune` optimizes."""
 
-    objective: str = one_of("sft", "sft", "dpo")
-    """sft: next-token loss on the answers; dpo: Direct Preference Optimization on prompt/chosen/rejected records."""
+    objective: str = one_of("sft", "sft", "dpo", "distill")
+    """sft: next-token loss on the answers; dpo: Direct Preference Optimization on prompt/chosen/rejected records;
+    distill: knowledge distillation from distill.teacher_checkpoint."""
 
 
 @dataclass
@@ -41,33 +44,67 @@ class DPOConfig:
         return problems
 
 
+@dataclass
+class DistillConfig:
+    """Knowledge distillation (finetune.objective=distill): a frozen teacher's logits train the model."""
+
+    teacher_checkpoint: Optional[str] = None
+    """The teacher: a folder `bridge pretrain`/`finetune` saved (or one iter_* in it) or a Hugging Face model folder."""
+
+    temperature: float = 1.0
+    """Both softmaxes divide the logits by it; the KL term is scaled by temperature^2 (Hinton et al. 2015)."""
+
+    ce_weight: float = 0.0
+    """w in the loss (1 - w) T^2 KL(teacher || model) + w CE(labels): 0 distills only, 1 is plain SFT."""
+
+    def check(self) -> list[tuple[str, str]]:
+        """(field, message) for each problem; empty when the section is consistent."""
+        problems = []
+        if self.temperature <= 0:
+            problems.append(("temperature", f"must be > 0, got {self.temperature}."))
+        if not 0.0 <= self.ce_weight <= 1.0:
+            problems.append(("ce_weight", f"must be in [0, 1], got {self.ce_weight}."))
+        return problems
+
+
 def check_objective(cfg) -> None:
-    """Cross-section rules of the objective: dpo.* only with objective=dpo; what DPO runs with and on."""
+    """Cross-section rules of the objective: dpo.* only with objective=dpo and distill.* only with
+    objective=distill; what DPO and distillation run with and on."""
     objective = cfg.finetune.objective
+    for section, owner, what in (("dpo", "dpo", "train on preference pairs"),
+                                 ("distill", "distill", "distill a teacher")):
+        if objective != owner:
+            values = getattr(cfg, section)
+            for f in dataclasses.fields(values):
+                if getattr(values, f.name) != f.default:
+                    raise ConfigError(f"{section}.{f.name}", f"is set, but finetune.objective is {objective}.",
+                                      f"Set finetune.objective={owner} to {what}, or drop the {section} override.")
+    if objective == "distill":
+        _refuse_layouts(cfg.model, objective, "distillation under pipeline parallelism is not supported yet (the "
+                        "teacher would need the same stages)", "distillation under context parallelism is not "
+                        "supported yet")
     if objective != "dpo":
-        for f in dataclasses.fields(cfg.dpo):
-            if getattr(cfg.dpo, f.name) != f.default:
-                raise ConfigError(f"dpo.{f.name}", f"is set, but finetune.objective is {objective}.",
-                                  "Set finetune.objective=dpo to train on preference pairs, or drop the dpo override.")
         return
     from bridge_cli.config.data_configs import FinetuningDatasetConfig
 
     if not isinstance(cfg.dataset, FinetuningDatasetConfig):
         raise ConfigError("dataset", "finetune.objective=dpo reads preference records (prompt, chosen, rejected) "
                           "from JSONL files.", "Add dataset=finetune dataset.dataset_root=DIR.")
-    m = cfg.model
-    for key, value, why in (
-            ("model.pipeline_model_parallel_size", m.pipeline_model_parallel_size,
-             "DPO under pipeline parallelism is not supported yet"),
-            ("model.context_parallel_size", m.context_parallel_size,
-             "DPO sums each response's log-probabilities within a rank, which context parallelism splits")):
-        if value > 1:
-            raise ConfigError(key, f"is {value} with finetune.objective=dpo: {why}.", f"Set {key}=1.")
-    if m.mtp_num_layers:
-        raise ConfigError("model.mtp_num_layers", "adds a next-token loss, which finetune.objective=dpo does not "
-                          "train.", "Set model.mtp_num_layers=null.")
+    _refuse_layouts(cfg.model, objective, "DPO under pipeline parallelism is not supported yet",
+                    "DPO sums each response's log-probabilities within a rank, which context parallelism splits")
     pack = cfg.dataset.packed_sequence_specs.packed_sequence_size
     if 0 < pack < 4:
         raise ConfigError("dataset.packed_sequence_specs.packed_sequence_size",
                           f"is {pack}; with finetune.objective=dpo a pack holds whole pairs, each response at "
                           "most half the pack.", "Pack at least 4 tokens, or set it to -1 (no packing).")
+
+
+def _refuse_layouts(m, objective: str, why_pipeline: str, why_context: str) -> None:
+    """Pipeline and context parallelism, and multi-token prediction, which the objective does not train."""
+    for key, value, why in (("model.pipeline_model_parallel_size", m.pipeline_model_parallel_size, why_pipeline),
+                            ("model.context_parallel_size", m.context_parallel_size, why_context)):
+        if value > 1:
+            raise ConfigError(key, f"is {value} with finetune.objective={objective}: {why}.", f"Set {key}=1.")
+    if m.mtp_num_layers:
+        raise ConfigError("model.mtp_num_layers", f"adds a next-token loss, which finetune.objective={objective} "
+                          "does not train.", "Set model.mtp_num_layers=null.")

@@ -14,7 +14,7 @@ from bridge_cli.config.data_configs import (
     MockGPTDatasetConfig,
     TokenizerConfig,
 )
-from bridge_cli.config.finetune_config import DPOConfig, FinetuneConfig
+from bridge_cli.config.finetune_config import DistillConfig, DPOConfig, FinetuneConfig
 from bridge_cli.config.logger_config import LoggerConfig
 from bridge_cli.config.loop_configs import SchedulerConfig, TrainingConfig
 from bridge_cli.config.peft_config import LoRAConfig
@@ -44,6 +44,7 @@ SECTIONS: dict[str, type] = {
     "comm_overlap": CommOverlapConfig,
     "finetune": FinetuneConfig,
     "dpo": DPOConfig,
+    "distill": DistillConfig,
 }
 """Sections whose schema is a dataclass of this project."""
 

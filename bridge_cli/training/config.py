@@ -25,7 +25,7 @@ from bridge_cli.config.data_configs import (
     TokenizerConfig,
 )
 from bridge_cli.config.errors import ConfigError
-from bridge_cli.config.finetune_config import DPOConfig, FinetuneConfig
+from bridge_cli.config.finetune_config import DistillConfig, DPOConfig, FinetuneConfig
 from bridge_cli.config.logger_config import LoggerConfig
 from bridge_cli.config.loop_configs import SchedulerConfig, TrainingConfig
 from bridge_cli.config.peft_config import LoRAConfig
@@ -44,8 +44,9 @@ from bridge_cli.training.validation import Derived, data_parallel_size, validate
 
 __all__ = [
     "CheckpointConfig", "CommOverlapConfig", "ConfigContainer", "DataloaderConfig", "DistributedInitConfig",
-    "DPOConfig", "FaultToleranceConfig", "FinetuneConfig", "FinetuningDatasetConfig", "GPTDatasetConfig",
-    "LoggerConfig", "LoRAConfig", "MockGPTDatasetConfig", "NVRxStragglerDetectionConfig", "ProfilingConfig",
+    "DistillConfig", "DPOConfig", "FaultToleranceConfig", "FinetuneConfig", "FinetuningDatasetConfig",
+    "GPTDatasetConfig", "LoggerConfig", "LoRAConfig", "MockGPTDatasetConfig", "NVRxStragglerDetectionConfig",
+    "ProfilingConfig",
     "RerunStateMachineConfig", "RNGConfig", "SchedulerConfig", "StragglerDetectionConfig",
     "TokenizerConfig", "TrainingConfig",
 ]
@@ -78,6 +79,7 @@ class ConfigContainer:
     comm_overlap: Optional[CommOverlapConfig] = None
     finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
 
     derived: Optional[Derived] = field(default=None, init=False, repr=False)
     """Set by validate(): the values this run derives from the config (the config itself is never written)."""

@@ -32,7 +32,8 @@ class EvalReport:
     seq_length: int
     splits: dict[str, dict[str, float]] = field(default_factory=dict)
     """Per split ("validation", "test"): each reported loss and its perplexity ("lm loss", "lm loss PPL"); with
-    finetune.objective=dpo, the DPO loss, rewards, margin and reward accuracy, without perplexities."""
+    finetune.objective=dpo, the DPO loss, rewards, margin and reward accuracy, without perplexities; with distill,
+    the distillation loss and the KL to distill.teacher_checkpoint besides the lm loss."""
 
 
 def evaluate_checkpoint(config: ConfigContainer, forward_step_func: ForwardStepCallable) -> Optional[EvalReport]:
@@ -46,10 +47,10 @@ def evaluate_checkpoint(config: ConfigContainer, forward_step_func: ForwardStepC
     from bridge_cli.runtime.collectives import is_last_rank
 
     checkpoint, iteration = _checkpoint_to_evaluate(config)
-    if config.finetune.objective == "dpo":  # preference pairs: DPO's loss, rewards and reward accuracy
-        from bridge_cli.training.finetune import dpo_forward_step
+    # DPO: its loss, rewards and reward accuracy on preference pairs; distill: the KL to the teacher and the CE
+    from bridge_cli.training.objectives import objective_forward_step
 
-        forward_step_func = dpo_forward_step(forward_step_func)
+    forward_step_func = objective_forward_step(config.finetune.objective, forward_step_func)
     with run_session(config) as state:
         runtime = initialize(state)
         model = build_model(config, runtime)

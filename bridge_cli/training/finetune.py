@@ -12,7 +12,10 @@ comes from the config:
   adapters alone plus the path of the base (:mod:`bridge_cli.peft.lora`);
 - with ``finetune.objective=dpo`` the records are preference pairs (:mod:`bridge_cli.data.preference`)
   and the forward step is DPO's (:class:`bridge_cli.training.dpo_step.DPOForwardStep`) in place of the
-  GPT step the command passes.
+  GPT step the command passes;
+- with ``finetune.objective=distill`` the forward step is distillation's
+  (:class:`bridge_cli.training.distill_step.DistillForwardStep`): a frozen teacher's logits train the model,
+  which may then start from its random initialization instead of a pretrained checkpoint.
 """
 
 from __future__ import annotations
@@ -27,27 +30,11 @@ from bridge_cli.training.forward_step_func_types import ForwardStepCallable
 
 def finetune(config: ConfigContainer, forward_step_func: ForwardStepCallable) -> None:
     """Fine-tune ``config``'s model from ``checkpoint.pretrained_checkpoint`` (or resume ``checkpoint.load``)."""
+    from bridge_cli.training.objectives import objective_forward_step
     from bridge_cli.training.pretrain import pretrain
 
     check_finetune_inputs(config)
-    if config.finetune.objective == "dpo":
-        forward_step_func = dpo_forward_step(forward_step_func)
-    pretrain(config, forward_step_func)
-
-
-def dpo_forward_step(forward_step_func: ForwardStepCallable) -> ForwardStepCallable:
-    """DPO's forward step, for the GPT step or a DPOForwardStep given; another step is an error, not dropped."""
-    from bridge_cli.training.dpo_step import DPOForwardStep
-    from bridge_cli.training.gpt_step import forward_step
-
-    if isinstance(forward_step_func, DPOForwardStep):
-        return forward_step_func
-    if forward_step_func is not forward_step:
-        raise ConfigError("finetune.objective", "is dpo, which trains with DPOForwardStep; finetune() was given "
-                          f"another forward step ({getattr(forward_step_func, '__name__', forward_step_func)!r}).",
-                          "Pass bridge_cli.training.dpo_step.DPOForwardStep() (or gpt_step.forward_step), "
-                          "or set finetune.objective=sft.")
-    return DPOForwardStep()
+    pretrain(config, objective_forward_step(config.finetune.objective, forward_step_func))
 
 
 def check_finetune_inputs(config: ConfigContainer) -> None:
@@ -56,7 +43,8 @@ def check_finetune_inputs(config: ConfigContainer) -> None:
     from bridge_cli.convert.hf_training import is_hf_folder
 
     ckpt = config.checkpoint
-    if ckpt.pretrained_checkpoint is None and ckpt.load is None:
+    distill = config.finetune.objective == "distill"  # a distilled model may start from its random initialization
+    if ckpt.pretrained_checkpoint is None and ckpt.load is None and not distill:
         raise ConfigError("checkpoint.pretrained_checkpoint", "is not set; fine-tuning starts from a pretrained model.",
                           "Set checkpoint.pretrained_checkpoint=DIR, a folder `bridge pretrain checkpoint.save=DIR` wrote.")
     if ckpt.pretrained_checkpoint is not None and not is_hf_folder(ckpt.pretrained_checkpoint):
@@ -66,6 +54,10 @@ def check_finetune_inputs(config: ConfigContainer) -> None:
         from bridge_cli.training.dpo_step import check_reference
 
         check_reference(config)
+    if distill:
+        from bridge_cli.training.distill_step import check_teacher
+
+        check_teacher(config)
     if isinstance(config.dataset, FinetuningDatasetConfig) and not config.train.skip_train:
         from bridge_cli.data.sft import dataset_root
 

@@ -64,17 +64,6 @@ def run_session(config: ConfigContainer) -> Iterator[GlobalState]:
         destroy_distributed()
 
 
-def _check_objective(config: ConfigContainer, forward_step_func: ForwardStepCallable) -> None:
-    """finetune.objective=dpo reads preference pairs, which only DPO's forward step (finetune()'s) takes."""
-    from bridge_cli.config.errors import ConfigError
-    from bridge_cli.training.dpo_step import DPOForwardStep
-
-    if config.finetune.objective == "dpo" and not isinstance(forward_step_func, DPOForwardStep):
-        raise ConfigError("finetune.objective", "is dpo, which bridge finetune trains; this forward step reads "
-                          "next-token samples, not preference pairs.",
-                          "Run bridge finetune, or set finetune.objective=sft.")
-
-
 def pretrain(config: ConfigContainer, forward_step_func: ForwardStepCallable) -> None:
     """Train ``config``'s model with ``forward_step_func`` (any signature forward_step_func_types accepts).
 
@@ -90,8 +79,9 @@ def pretrain(config: ConfigContainer, forward_step_func: ForwardStepCallable) ->
     from bridge_cli.training.train import _run_evaluation, train
     from bridge_cli.logging.training_logger import TrainingLogger
     from bridge_cli.runtime.collectives import is_last_rank
+    from bridge_cli.training.objectives import check_pretrain_step
 
-    _check_objective(config, forward_step_func)
+    check_pretrain_step(config.finetune.objective, forward_step_func)
     with run_session(config) as state:
         try:
             out = setup(state, checkpointing_context={})

@@ -1,0 +1,178 @@
+"""The forward step of ``finetune.objective=distill``: a micro-batch through the frozen teacher (no gradient)
+and the model, and the loss of :mod:`bridge_cli.training.distill_loss` on their logits.
+
+The teacher is ``distill.teacher_checkpoint``: a checkpoint bridge saved, or a Hugging Face folder converted
+as ``checkpoint.pretrained_checkpoint`` is (:func:`~bridge_cli.convert.hf_training.converted_for_loading`).
+Its shape (depth, width, heads, ...) is its own, read from the checkpoint's run_config.yaml or config.json;
+how it runs is the model's: the same tensor-parallel layout (so both hold the same slice of the vocabulary),
+precision, layer spec and sequence length. It must have the model's vocabulary. It is built at the first
+micro-batch (``pretrain()`` builds the model and the process groups first), kept in eval mode, without
+gradients, outside the optimizer and the checkpoints.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import torch
+
+from bridge_cli.config.errors import ConfigError
+from bridge_cli.logging.timers import timed
+from bridge_cli.training.distill_loss import distill_loss
+from bridge_cli.training.gpt_step import get_batch
+from bridge_cli.training.state import GlobalState
+
+FIELD = "distill.teacher_checkpoint"
+
+STUDENT_FIELDS = ("spec", "make_vocab_size_divisible_by", "seq_length", "compile_layers", "sdpa_backend",
+                  "attention_backend", "first_last_layers_bf16", "num_layers_at_start_in_bf16",
+                  "num_layers_at_end_in_bf16")
+"""Teacher fields taken from the model's (with megatron-core's ModelParallelConfig fields: the parallel layout
+and precision, and the fp8/fp4 ones): how the model runs, not what it computes."""
+
+
+class DistillForwardStep:
+    """``forward_step(state, data_iterator, model)`` for distillation; holds the teacher between micro-batches."""
+
+    def __init__(self):
+        self.teacher: Optional[Any] = None
+        """The frozen teacher (one GPTModel: pipeline parallelism is refused), built at the first micro-batch."""
+
+    def __call__(self, state: GlobalState, data_iterator: Iterator, model):
+        cfg = state.cfg
+        use_mask = not getattr(cfg.dataset, "skip_getting_attention_mask_from_dataset", True)
+        with timed(state.timers, "batch-generator", log_level=2):
+            batch = get_batch(data_iterator, state.runtime.device, use_mask)
+        if self.teacher is None:
+            self.teacher = build_teacher(state)
+        inputs = (batch["tokens"], batch["position_ids"], batch.get("attention_mask"))
+        documents = batch.pop("document_ids", None)
+        with torch.no_grad():
+            teacher_logits = self.teacher(*inputs, **_packed(self.teacher.config, documents, batch))
+        logits = model(*inputs, **_packed(cfg.model, documents, batch))
+        distill, checks = cfg.distill, cfg.rerun_state_machine
+        return logits, functools.partial(distill_loss, batch["loss_mask"], batch["labels"], teacher_logits,
+                                         temperature=distill.temperature, ce_weight=distill.ce_weight,
+                                         vocab_size=cfg.derived.vocab_size, group=_tensor_parallel_group(cfg),
+                                         check_for_nan_in_loss=checks.check_for_nan_in_loss,
+                                         check_for_spiky_loss=checks.check_for_spiky_loss)
+
+
+def _packed(model_config, documents: Optional[torch.Tensor], batch: dict) -> dict:
+    """Packed rows: attention and RoPE restart at each sequence (masks for the windows of this model's layers)."""
+    if documents is None:
+        return {}
+    from bridge_cli.models.attention.masks import batch_document_params
+
+    return {"packed_seq_params": batch_document_params(model_config, documents, batch["position_ids"], 1, 0)}
+
+
+def _tensor_parallel_group(cfg):
+    if cfg.model.tensor_model_parallel_size == 1:
+        return None
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_group()
+
+
+def teacher_model_values(cfg) -> tuple[dict[str, Any], str]:
+    """(the teacher's ``model:`` fields, where they were read) from ``distill.teacher_checkpoint``; a ConfigError or
+    CheckpointError naming the field when it is unset or holds no model. A Hugging Face folder gives its
+    config.json's fields (the ones import-hf maps), a bridge checkpoint its run_config.yaml's model section."""
+    from bridge_cli.checkpoint.layout import require_checkpoint
+    from bridge_cli.convert.hf_training import is_hf_folder, model_fields
+    from bridge_cli.convert.mcore_io import saved_model_values
+
+    teacher = cfg.distill.teacher_checkpoint
+    if teacher is None:
+        raise ConfigError(FIELD, "is not set; finetune.objective=distill trains the model on a teacher's logits.",
+                          f"Set {FIELD}=DIR (a checkpoint bridge saved, or a Hugging Face model folder).")
+    if is_hf_folder(teacher):
+        return model_fields(teacher)[1], str(Path(teacher) / "config.json")
+    found = require_checkpoint(Path(teacher), label=f"{FIELD}={teacher}")
+    return saved_model_values(found.path), str(found.path / "run_config.yaml")
+
+
+def check_teacher(cfg) -> dict[str, Any]:
+    """Before any device work: the teacher exists, has the model's vocabulary and fits its tensor-parallel
+    layout; returns its model fields."""
+    values, where = teacher_model_values(cfg)
+    vocab = cfg.derived.vocab_size
+    if values.get("vocab_size") != vocab:
+        raise ConfigError(FIELD, f"the teacher's vocabulary has {values.get('vocab_size')} tokens ({where}), the "
+                          f"model's {vocab} (its tokenizer); distillation compares their next-token distributions "
+                          "token by token, so they must share one vocabulary.",
+                          "Use a teacher trained with this run's tokenizer, or set tokenizer= to the teacher's.")
+    tp = cfg.model.tensor_model_parallel_size
+    for key in ("num_attention_heads", "num_query_groups"):
+        count = values.get(key) or values.get("num_attention_heads")
+        if count % tp:
+            raise ConfigError(FIELD, f"the teacher has {key}={count} ({where}), which "
+                              f"model.tensor_model_parallel_size={tp} does not divide; the teacher runs in the "
+                              "model's tensor-parallel layout.", "Choose a tensor-parallel size that divides both.")
+    if values.get("position_embedding_type") == "learned_absolute" and \
+            cfg.model.seq_length > values.get("seq_length", cfg.model.seq_length):
+        raise ConfigError("model.seq_length", f"is {cfg.model.seq_length}; the teacher's learned position embeddings "
+                          f"stop at {values['seq_length']} ({where}).", f"Set model.seq_length={values['seq_length']}.")
+    return values
+
+
+def teacher_config(cfg, values: dict[str, Any]):
+    """The teacher's GPTModelProvider: its own model fields, run as the model runs (:data:`STUDENT_FIELDS`)."""
+    from megatron.core.model_parallel_config import ModelParallelConfig
+
+    from bridge_cli.config import mcore_schema
+    from bridge_cli.models.provider import GPTModelProvider
+
+    student = mcore_schema.to_yaml_values("model", GPTModelProvider, cfg.derived.model)
+    run = {f.name for f in dataclasses.fields(ModelParallelConfig)} | set(STUDENT_FIELDS)
+    run |= {key for key in student if key.startswith(("fp8", "fp4"))}
+    known = {f.name for f in mcore_schema.schema_fields(GPTModelProvider)}
+    merged = {key: value for key, value in values.items() if key in known}
+    merged.update({key: student[key] for key in run if key in student})
+    # every weight is loaded, so draw none (and leave the run's random state as it is: a resumed run builds
+    # the teacher at another iteration); no multi-token-prediction head, whose loss is not trained here
+    merged.update(vocab_size=cfg.derived.vocab_size, perform_initialization=False, mtp_num_layers=None)
+    return mcore_schema.build("model", GPTModelProvider, merged)
+
+
+def build_teacher(state: GlobalState):
+    """The frozen teacher: ``distill.teacher_checkpoint``'s weights in the model's layout, eval mode, no gradients."""
+    from megatron.core.transformer.module import Float16Module
+
+    from bridge_cli.checkpoint.layout import require_checkpoint
+    from bridge_cli.checkpoint.load import load_checkpoint
+    from bridge_cli.convert.hf_training import converted_for_loading
+    from bridge_cli.convert.mcore_io import saved_model_values
+
+    cfg = copy.copy(state.cfg)
+    teacher = cfg.distill.teacher_checkpoint
+    values = check_teacher(cfg)
+    cfg.peft = None
+    cfg.checkpoint = dataclasses.replace(state.cfg.checkpoint, pretrained_checkpoint=teacher, load=None,
+                                         ckpt_step=None, finetune=False)
+    with converted_for_loading(cfg.checkpoint, state.runtime.local_rank) as converted:
+        if converted is not None:  # the import's run_config.yaml has every field, config.json only the mapped ones
+            values = saved_model_values(require_checkpoint(Path(converted)).path)
+        config = teacher_config(cfg, values)
+        cfg.derived = dataclasses.replace(state.cfg.derived, model=config)
+        model = config.provide(pre_process=True, post_process=True).to(state.runtime.device)
+        if config.fp16 or config.bf16:
+            model = Float16Module(config, model)
+        load_checkpoint(GlobalState(cfg=cfg, runtime=state.runtime), [model], None, None, weights_only=True,
+                        pretrained=converted)
+    model.eval()
+    model.requires_grad_(False)
+    _say(f"distillation teacher: {teacher} ({config.num_layers} layers, hidden {config.hidden_size}), frozen")
+    return model
+
+
+def _say(line: str) -> None:
+    from bridge_cli.runtime.collectives import is_last_rank
+
+    if is_last_rank():
+        print(line, flush=True)

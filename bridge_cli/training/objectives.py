@@ -1,0 +1,49 @@
+"""Which forward step each ``finetune.objective`` trains with: sft any next-token step (the GPT step),
+dpo :class:`~bridge_cli.training.dpo_step.DPOForwardStep`, distill
+:class:`~bridge_cli.training.distill_step.DistillForwardStep`. ``finetune()`` and ``bridge eval`` swap the GPT
+step the command passes for the objective's; ``pretrain()`` refuses a step that would misread the data."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from bridge_cli.config.errors import ConfigError
+from bridge_cli.training.forward_step_func_types import ForwardStepCallable
+
+
+def objective_step_type(objective: str) -> Optional[type]:
+    """The forward step class an objective trains with (None: sft, any next-token step)."""
+    if objective == "dpo":
+        from bridge_cli.training.dpo_step import DPOForwardStep
+
+        return DPOForwardStep
+    if objective == "distill":
+        from bridge_cli.training.distill_step import DistillForwardStep
+
+        return DistillForwardStep
+    return None
+
+
+def objective_forward_step(objective: str, forward_step_func: ForwardStepCallable) -> ForwardStepCallable:
+    """The objective's forward step, for the GPT step or one of that objective's given; another step is an
+    error, not dropped."""
+    from bridge_cli.training.gpt_step import forward_step
+
+    step_type = objective_step_type(objective)
+    if step_type is None or isinstance(forward_step_func, step_type):
+        return forward_step_func
+    if forward_step_func is not forward_step:
+        given = getattr(forward_step_func, "__name__", forward_step_func)
+        raise ConfigError("finetune.objective", f"is {objective}, which trains with {step_type.__name__}; finetune() "
+                          f"was given another forward step ({given!r}).",
+                          f"Pass {step_type.__module__}.{step_type.__name__}() (or gpt_step.forward_step), "
+                          "or set finetune.objective=sft.")
+    return step_type()
+
+
+def check_pretrain_step(objective: str, forward_step_func: ForwardStepCallable) -> None:
+    """dpo reads preference pairs and distill a teacher: only their own steps (finetune()'s) do that."""
+    step_type = objective_step_type(objective)
+    if step_type is not None and not isinstance(forward_step_func, step_type):
+        raise ConfigError("finetune.objective", f"is {objective}, which bridge finetune trains; this forward step is "
+                          f"not its {step_type.__name__}.", "Run bridge finetune, or set finetune.objective=sft.")
