@@ -145,10 +145,11 @@ class ConfigContainer:
         """Check every section for ``world_size`` processes on ``device`` and derive the run's values.
 
         ``world_size`` defaults to $WORLD_SIZE (torchrun), else 1; ``device`` to cuda when a GPU is
-        visible, else cpu. See :mod:`bridge_cli.training.validation`.
+        visible, else cpu. A second call for the same values, world size and device reuses the first's checks.
+        See :mod:`bridge_cli.training.validation`.
         """
         from bridge_cli.runtime.device_rules import default_device
 
         self.derived = validate_and_derive(self, world_size or int(os.environ.get("WORLD_SIZE", "1")),
-                                           device or default_device())
+                                           device or default_device(), previous=self.derived)
         return self.derived

@@ -5,7 +5,8 @@ device table, model shapes megatron-core would only trip over while building the
 returns the values a run derives from the config, frozen. The config itself is never written:
 what a tokenizer, the world size or the batch sizes imply lives in :class:`Derived`. The one exception is
 the comm_overlap section, whose set fields stand for model, ddp and optimizer fields and are written onto them.
-``bridge config validate``, ``--dry-run`` and a real run all call it, so they refuse the same things.
+``bridge config validate``, ``--dry-run`` and a real run all call it, so they refuse the same things; a run checks
+once, and its later stages reuse that pass while the config, world size and device stay the same.
 """
 
 from __future__ import annotations
@@ -69,6 +70,13 @@ class Derived:
     on the CPU, megatron-core's CPU initialization. megatron-core attaches its runtime hooks to it."""
     comm_overlap: dict = dataclasses.field(default_factory=dict, compare=False)
     """{model/ddp/optimizer key: value} that the comm_overlap section set (bridge_cli/config/comm_overlap_config.py)."""
+    checked: Optional[dict] = dataclasses.field(default=None, compare=False, repr=False)
+    """The config's values as this pass checked them (ConfigContainer.to_dict()): a later stage of the run reuses the
+    pass only for the same values."""
+
+    def holds_for(self, cfg, world_size: int, device: str) -> bool:
+        """Whether this pass is ``cfg``'s for ``world_size`` processes on ``device``: nothing changed since."""
+        return (self.world_size, self.device) == (world_size, device) and self.checked == cfg.to_dict()
 
     def as_dict(self) -> dict[str, Any]:
         """The values --dry-run prints and run_config.yaml records."""
@@ -85,9 +93,16 @@ class Derived:
         }
 
 
-def validate_and_derive(cfg, world_size: int, device: str) -> Derived:
+def validate_and_derive(cfg, world_size: int, device: str, previous: Optional[Derived] = None) -> Derived:
     """Check ``cfg`` (a ConfigContainer) for ``world_size`` processes on ``device``; raise ConfigError
-    (or RuntimeUnavailable for what the device cannot run) naming the key, else return the derived values."""
+    (or RuntimeUnavailable for what the device cannot run) naming the key, else return the derived values.
+
+    ``previous`` is an earlier pass over ``cfg`` (the command's, before pretrain() and setup() ask again): when it
+    holds for the same world size, device and config values, its checks stand and only the model the run builds
+    is copied afresh, since megatron-core attaches a run's hooks to that copy.
+    """
+    if previous is not None and previous.holds_for(cfg, world_size, device):
+        return dataclasses.replace(previous, model=_run_model(cfg.model, previous.vocab_size, device))
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
         if f.init and f.name not in ("model", "optimizer", "ddp") and dataclasses.is_dataclass(value):
@@ -124,7 +139,7 @@ def validate_and_derive(cfg, world_size: int, device: str) -> Derived:
     model = _run_model(cfg.model, vocab_size, device)
     return Derived(world_size=world_size, device=device, data_parallel_size=dp, num_microbatches=microbatches,
                    global_batch_size=global_batch, vocab_size=vocab_size, padded_vocab_size=model.padded_vocab_size,
-                   **steps, model=model, comm_overlap=comm_overlap)
+                   **steps, model=model, comm_overlap=comm_overlap, checked=cfg.to_dict())
 
 
 def _check_export_family(model_type: Optional[str]) -> None:

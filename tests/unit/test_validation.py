@@ -91,6 +91,36 @@ def test_validation_never_writes_the_config():
         derived.world_size = 4  # frozen
 
 
+def test_a_run_checks_its_config_once_and_again_only_after_a_change(monkeypatch):
+    """The command validates, then pretrain() and setup() ask again for the same world and device: they reuse the
+    pass. Another world size, device or value is checked anew, so nothing a later change breaks gets through."""
+    from bridge_cli.config.compose import compose
+    from bridge_cli.config.errors import ConfigError
+    from bridge_cli.runtime.errors import RuntimeUnavailable
+    from bridge_cli.training import validation
+    from bridge_cli.training.config import ConfigContainer
+
+    passes = []
+    check = validation.check_unsupported
+    monkeypatch.setattr(validation, "check_unsupported", lambda cfg: (passes.append(1), check(cfg)))
+    # comm_overlap's fields are written onto ddp by the pass: the second call must still see the same config
+    cfg = ConfigContainer.from_yaml_dict(compose("tiny", ["comm_overlap.overlap_grad_reduce=true",
+                                                          "optimizer.use_distributed_optimizer=true"]))
+    first = cfg.validate(2, "cuda")
+    again = cfg.validate(2, "cuda")
+    assert len(passes) == 1 and again.as_dict() == first.as_dict() and cfg.ddp.overlap_grad_reduce
+    assert again.model is not first.model  # megatron-core hooks a run onto its own copy
+    assert again.model.vocab_size == first.model.vocab_size == 1024
+    cfg.validate(1, "cuda")
+    with pytest.raises(RuntimeUnavailable):
+        cfg.validate(1, "cpu")  # the distributed optimizer needs CUDA
+    assert len(passes) == 3
+    cfg.train.micro_batch_size = 3
+    with pytest.raises(ConfigError) as err:
+        cfg.validate(1, "cuda")
+    assert err.value.key == "train.global_batch_size" and len(passes) == 4
+
+
 def test_decrease_batch_size_if_needed_rounds_the_global_batch_down():
     from bridge_cli.config.compose import compose
     from bridge_cli.training.config import ConfigContainer
