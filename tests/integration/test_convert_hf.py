@@ -29,7 +29,11 @@ transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402  (installed with transformers)
 
 WORKER = Path(__file__).with_name("convert_worker.py")
-ATOL = 1e-4
+ATOL = 1e-5
+"""Issue 41's bar for megatron-core's fp32 logits against transformers'. Every family meets it at TP=1, TP=2 and EP=2;
+the largest difference measured is Gemma 3's at TP=2, 7.5e-6 (4.5e-6 at TP=1): rounding, not arithmetic, since
+transformers' fp32 logits are themselves 1.7e-5 from its fp64 ones there (logits up to 6.8: scaled embeddings, tied).
+The others stay below 4.8e-6 (Gemma's), most below 2.7e-6."""
 SHAPE = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=128)
 OWN_SHAPE = {"gpt2": dict(n_embd=64, n_layer=2, n_head=4, n_positions=128),
@@ -260,7 +264,8 @@ def test_imported_model_reproduces_transformers_logits(name, layout, hf_dirs, mc
     expected = torch.load(reference(hf_dirs[name]))
     got = mcore_logits[(name, layout)]
     assert got.shape == expected.shape
-    assert (got - expected).abs().max().item() < ATOL
+    difference = (got - expected).abs().max().item()
+    assert difference < ATOL, f"{name} at {layout}: {difference:.2e}"
 
 
 def logits_at_tp1(checkpoints: dict[str, Path], tokens_file: Path, out: Path) -> dict[str, torch.Tensor]:

@@ -97,7 +97,8 @@ def test_export_at_the_end_of_training_reproduces_the_trained_model(hf_dir, tmp_
     with torch.no_grad():
         exported = transformers.AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).eval()(tokens).logits
         original = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()(tokens).logits
-    assert (exported - torch.load(tmp_path / "trained_tp1.pt")).abs().max().item() < 1e-4
+    difference = (exported - torch.load(tmp_path / "trained_tp1.pt")).abs().max().item()
+    assert difference < 1e-5, difference  # issue 41's bar for the conversions
     assert (exported - original).abs().max().item() > 1e-3  # it trained
 
 
