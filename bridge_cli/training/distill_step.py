@@ -152,6 +152,7 @@ def build_teacher(state: GlobalState):
     cfg = copy.copy(state.cfg)
     teacher = cfg.distill.teacher_checkpoint
     values = check_teacher(cfg)
+    _say(f"distillation teacher: loading {teacher} (the lines below name it checkpoint.pretrained_checkpoint)")
     cfg.peft = None
     cfg.checkpoint = dataclasses.replace(state.cfg.checkpoint, pretrained_checkpoint=teacher, load=None,
                                          ckpt_step=None, finetune=False)
@@ -167,7 +168,8 @@ def build_teacher(state: GlobalState):
                         pretrained=converted)
     model.eval()
     model.requires_grad_(False)
-    _say(f"distillation teacher: {teacher} ({config.num_layers} layers, hidden {config.hidden_size}), frozen")
+    _say(f"distillation teacher: {teacher} ({config.num_layers} layers, hidden {config.hidden_size}), frozen: eval "
+         "mode, no gradients, no optimizer state")
     return model
 
 
