@@ -43,6 +43,13 @@ from bridge_cli.data.sft import (
 FIELDS = ("prompt", "chosen", "rejected")
 
 
+def rows_per_sample(cfg) -> int:
+    """Rows of ``model.seq_length`` tokens the model runs per training sample: 2 for DPO's unpacked pairs (chosen
+    and rejected), else 1 (a packed row of whole pairs, or any other data's sample)."""
+    packed = getattr(getattr(cfg.dataset, "packed_sequence_specs", None), "packed_sequence_size", -1) > 0
+    return 2 if cfg.finetune.objective == "dpo" and not packed else 1
+
+
 def pair_segments(record, tokenizer) -> tuple[list, list]:
     """(chosen, rejected) segments of one preference record, answer-marked on the response only."""
     if not isinstance(record, dict):

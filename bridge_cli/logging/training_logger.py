@@ -77,6 +77,10 @@ class TrainingLogger:
         self.history_wct: list[float] = [self.run_started]
         self.timers = global_state.timers
         self.aux_losses = auxiliary_losses_for(self.cfg.model)
+        from bridge_cli.data.preference import rows_per_sample
+
+        self.tokens_per_sample = self.cfg.model.seq_length * rows_per_sample(self.cfg)
+        """What tokens/s counts per sample: the rows the model runs (DPO's unpacked pair is two)."""
         self.stragglers = None
         if global_state.straggler_timer is not None:
             from bridge_cli.logging.stragglers import StragglerReport
@@ -95,7 +99,7 @@ class TrainingLogger:
 
     def after_step(self, loss_dict: dict, skipped: int, grad_norm: Optional[float], num_zeros: Optional[int],
                    optimizer, batch_size: int, flops: float) -> None:
-        cfg, ts, log = self.cfg, self.state.train_state, self.cfg.logger
+        ts, log = self.state.train_state, self.cfg.logger
         self.stats.add(loss_dict, skipped)
         if grad_norm is not None and not math.isfinite(grad_norm):
             self.stats.nan_or_inf += 1  # fp16: the loss scaler skipped this step
@@ -126,7 +130,7 @@ class TrainingLogger:
             extra += losses.line_fields(self.stats.iterations)
         loss = self.console.training_line(
             ts.step, self.stats, ts.consumed_train_samples, optimizer.param_groups[0]["lr"], grad_norm,
-            float(optimizer.get_loss_scale()), batch_size * cfg.model.seq_length, flops, dist.get_world_size(),
+            float(optimizer.get_loss_scale()), batch_size * self.tokens_per_sample, flops, dist.get_world_size(),
             time.time() - self.run_started, self.first_iter, params_norm, extra)
         if collected.get("timers"):
             self.console.print(collected["timers"])
@@ -177,7 +181,7 @@ class TrainingLogger:
             values["iteration-time"] = iteration_time
         if log.log_throughput:
             values["throughput"] = flops / iteration_time / dist.get_world_size() / 1e12
-            values.update(report_throughput(step, batch_size, cfg.model.seq_length, self.history_wct,
+            values.update(report_throughput(step, batch_size, self.tokens_per_sample, self.history_wct,
                                             log.log_interval, dist.get_world_size()))
         if log.log_runtime_to_tensorboard:
             values.update(report_runtime(step, samples, self.run_started, cfg.model.seq_length,

@@ -77,6 +77,13 @@ def test_tiny_dpo_raises_reward_accuracy_and_margin(base, tiny_dpo_run):
     assert "PPL" not in validation.group(0)  # no perplexity of a DPO loss, reward or accuracy
 
 
+def test_tokens_per_second_count_both_rows_of_each_pair(tiny_dpo_run):
+    """tiny_dpo's 8 unpacked pairs a step run 16 rows of 64 tokens: 1,024 tokens an iteration."""
+    for ms, tokens in re.findall(r"^iteration .*\| elapsed ms/iter ([0-9.]+) \| tokens/s/gpu ([0-9,]+) ",
+                                 tiny_dpo_run[1], re.M):
+        assert float(tokens.replace(",", "")) == pytest.approx(8 * 2 * 64 / (float(ms) / 1000), rel=2e-3, abs=1)
+
+
 def test_eval_reports_held_out_reward_accuracy(base, data, tiny_dpo_run, tmp_path):
     """bridge eval scores a checkpoint on the batches a run's first validation reads: the checkpoint saved at
     iteration 15 gives the numbers the validation at iteration 15 logged."""
