@@ -28,6 +28,18 @@ _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]?B)\s*$", re.IGNORECASE)
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9}
 
 
+def tensor_names(folder: Path) -> set[str]:
+    """The names of the tensors in Hugging Face folder ``folder``: its index's, where it has one (no weight file is
+    opened), else those of its safetensors headers."""
+    index = Path(folder) / INDEX
+    if index.is_file():
+        try:
+            return set(json.loads(index.read_text())["weight_map"])
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise CheckpointError(f"{index} is not a safetensors index ({err}).") from err
+    return set(SafetensorsFolder(folder).shapes)
+
+
 class SafetensorsFolder:
     """The tensors of a Hugging Face model folder: names, shapes, and each tensor on demand."""
 

@@ -75,10 +75,12 @@ def is_hf_folder(path: Optional[str]) -> bool:
 
 def model_fields(hf_dir: str) -> tuple[Any, dict[str, Any]]:
     """(family, the ``model:`` fields of ``hf_dir``'s config.json), as import-hf maps them."""
+    from bridge_cli.convert.hf_files import tensor_names
+
     hf = hf_config.read_config(Path(hf_dir))
     where = Path(hf_dir) / "config.json"
     family = families.for_import(hf, where)
-    return family, family.model_fields(hf, where)
+    return family, family.model_fields(hf, where, tensors=tensor_names(Path(hf_dir)))
 
 
 def model_overrides(hf_dir: str) -> list[str]:

@@ -23,6 +23,9 @@ differ from Hugging Face's:
   maps that tensor to every expert's parameter.
 - GPT-2's linears are Conv1Ds (``x @ w + b``): each weight is stored ``[in, out]``, the transpose of
   megatron-core's; its fused ``c_attn`` is ``[q; k; v]`` along ``out``, and its bias ``[q; k; v]``.
+- DeepSeek-V3's multi-token-prediction layers each store a copy of the embedding and the output head
+  (``embed_tokens``, ``shared_head.head``), which megatron-core's MTP block shares with the model:
+  one :class:`Pair` of the SHARED layout maps the megatron-core tensor to every copy.
 """
 
 from __future__ import annotations
@@ -52,6 +55,10 @@ class Layout(Enum):
     """A weight stored ``[in, out]`` (a Conv1D's): megatron-core's is its transpose."""
     FUSED_QKV_T = "fused_qkv_t"
     """FUSED_QKV stored ``[in, out]``, q, k and v along ``out`` (GPT-2's ``c_attn``)."""
+    SHARED = "shared"
+    """One vocabulary-sized megatron-core tensor that Hugging Face stores several times, identical (DeepSeek-V3's
+    MTP layers repeat the embedding and the output head): import checks the copies equal the first, export writes
+    each, padding rows dropped."""
 
 
 STACKED = (Layout.EXPERTS, Layout.EXPERTS_T, Layout.EXPERTS_GATE_UP)
@@ -99,6 +106,8 @@ class Architecture:
     """Rows of the learned absolute position embedding: megatron-core's has model.seq_length (0: none)."""
     mla: Optional[LatentSizes] = None
     """Multi-latent attention's sizes (None: grouped-query attention)."""
+    mtp_layers: int = 0
+    """Multi-token-prediction layers after the decoder (megatron-core's MTP block, model.mtp_num_layers)."""
 
     @classmethod
     def of(cls, model) -> "Architecture":
@@ -113,7 +122,8 @@ class Architecture:
                    bool(experts and model.moe_router_enable_expert_bias),
                    model.seq_length if getattr(model, "position_embedding_type", None) == "learned_absolute" else 0,
                    LatentSizes(model.q_lora_rank, model.kv_lora_rank, model.qk_head_dim, model.qk_pos_emb_head_dim,
-                               model.v_head_dim) if getattr(model, "multi_latent_attention", False) else None)
+                               model.v_head_dim) if getattr(model, "multi_latent_attention", False) else None,
+                   getattr(model, "mtp_num_layers", None) or 0)
 
     @property
     def heads_per_group(self) -> int:
@@ -170,6 +180,16 @@ def to_mcore(pair: Pair, tensors: list, arch: Architecture) -> list:
         if pair.layout is Layout.EXPERTS_GATE_UP:
             experts = [torch.cat([t[0::2], t[1::2]]) for t in experts]
         return [t.contiguous() for t in experts]
+    if pair.layout is Layout.SHARED:
+        first, *copies = tensors
+        for (name, _), copy in zip(pair.hf[1:], copies):
+            if not torch.equal(copy, first):
+                from bridge_cli.checkpoint.errors import CheckpointError
+
+                raise CheckpointError(f"tensor {name} differs from {pair.hf[0][0]}: megatron-core's multi-token "
+                                      "prediction shares the model's embedding and output head, so bridge converts "
+                                      "a model whose copies are equal.")
+        return [first]
     if pair.layout is Layout.FUSED_QKV:
         (fused,) = tensors
         tensors = fused.split(arch.qkv_rows, dim=0)
@@ -210,4 +230,6 @@ def to_hf(pair: Pair, tensors: list, arch: Architecture) -> list:
         return [part.clone() for part in tensor.chunk(2, dim=0)]
     if pair.layout is Layout.VOCAB:
         return [tensor[: arch.vocab_size].contiguous()]
+    if pair.layout is Layout.SHARED:
+        return [tensor[: arch.vocab_size].clone() for _ in pair.hf]
     return [tensor.contiguous()]

@@ -17,12 +17,12 @@ import re
 from pathlib import Path
 from typing import Any, Iterator
 
-_LAYER = re.compile(r"^decoder\.layers\.\d+\.")
-"""The prefix of one decoder layer's parameters."""
+_LAYER = re.compile(r"^(decoder|mtp)\.layers\.\d+\.")
+"""The prefix of one decoder layer's parameters, or of one multi-token-prediction layer's."""
 
 
 def layer_groups(names: list[str]) -> list[list[str]]:
-    """``names`` (in order) grouped per decoder layer; each name outside the layers alone."""
+    """``names`` (in order) grouped per decoder (or multi-token-prediction) layer; each name outside them alone."""
     groups: dict[str, list[str]] = {}
     for name in names:
         layer = _LAYER.match(name)

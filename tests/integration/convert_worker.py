@@ -4,7 +4,8 @@ Used by test_convert_hf.py. For each ``--tp`` size (experts split as the attenti
 not), each ``--ep`` size (at TP=1, mixture-of-experts checkpoints only) and each ``--ckpt NAME=DIR``,
 the model of the checkpoint's run_config.yaml is built for that layout, the checkpoint is loaded
 into it (megatron-core reshards it), and rank 0 writes the logits of the tokens in ``--tokens`` over
-the real vocabulary (padding rows dropped) to ``OUT/NAME_tp<N>.pt`` (``OUT/NAME_ep<N>.pt``). With ``--resave``, each checkpoint loaded at the
+the real vocabulary (padding rows dropped) to ``OUT/NAME_tp<N>.pt`` (``OUT/NAME_ep<N>.pt``), and those of a model's
+multi-token-prediction layers, stacked, to ``OUT/mtp/NAME_tp<N>.pt``. With ``--resave``, each checkpoint loaded at the
 largest TP size, and each loaded at an EP size, is saved again under ``OUT/NAME_tp<N>_saved``
 (``_ep<N>_saved``) in that layout (its tensors split across the ranks), for export to read back.
 One launch serves every checkpoint, since starting the processes costs far more than the models.
@@ -69,11 +70,30 @@ def run(name: str, path: Path, model_values: dict, tokens: torch.Tensor, out: Pa
     mcore_io.load_weights(model, config, path)
     model.eval()
     with torch.no_grad():
-        logits = model(tokens, torch.arange(tokens.shape[1]).expand_as(tokens), None)
+        if config.mtp_num_layers:
+            logits, *mtp = logits_with_mtp(model, tokens)
+        else:
+            logits, mtp = model(tokens, torch.arange(tokens.shape[1]).expand_as(tokens), None), []
     if dist.get_rank() == 0:
         torch.save(logits[..., : config.vocab_size].clone(), out / f"{name}_{layout_name}.pt")
+        if mtp:
+            (out / "mtp").mkdir(exist_ok=True)
+            torch.save(torch.stack(mtp)[..., : config.vocab_size].clone(), out / "mtp" / f"{name}_{layout_name}.pt")
     if resave_it:
         resave(model, path, out / f"{name}_{layout_name}_saved")
+
+
+def logits_with_mtp(model, tokens: torch.Tensor) -> list[torch.Tensor]:
+    """The logits of a model with multi-token-prediction layers, then those of each MTP layer ([batch, seq, vocab]
+    each). megatron-core's forward turns the MTP layers' logits into their loss and needs labels for it, so the
+    hidden states come from the MTP block's output (the model's, then each layer's, along the sequence axis)."""
+    captured = []
+    handle = model.mtp.register_forward_hook(lambda module, args, output: captured.append(output))
+    model(tokens, torch.arange(tokens.shape[1]).expand_as(tokens), None, labels=tokens)
+    handle.remove()
+    weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
+    return [model.output_layer(hidden, weight=weight)[0].transpose(0, 1)
+            for hidden in captured[0].chunk(1 + model.config.mtp_num_layers, dim=0)]
 
 
 def resave(model, path: Path, root: Path) -> None:

@@ -17,18 +17,26 @@ a group by the sum of its top two experts where ``num_experts_per_tok / topk_gro
 the chosen scores renormalised (``norm_topk_prob``) and times ``routed_scaling_factor``
 (``moe_router_topk_scaling_factor``); the ``n_shared_experts`` shared experts are one shared expert of their summed
 FFN size, added without a gate.
+
+The ``num_nextn_predict_layers`` multi-token-prediction layers of a Hub checkpoint (``model.layers.<num_hidden_layers
++ k>``, which transformers' model does not build, so its own saves leave them out) are megatron-core's MTP block
+(``mtp_num_layers``): ``enorm``, ``hnorm``, ``eh_proj`` (embedding half first, as both concatenate) and
+``shared_head.norm`` are ``mtp.layers.<k>.``'s ``enorm``, ``hnorm``, ``eh_proj`` and ``final_layernorm``, the rest a
+decoder layer's tensors under ``transformer_layer``, which megatron-core builds like the decoder's last. Each layer's
+``embed_tokens`` and ``shared_head.head`` are copies of the model's embedding and output head, which megatron-core's
+MTP block shares: import checks they are equal, export writes them back.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Collection, Mapping, Optional
 
 from bridge_cli.convert import hf_config, yarn
 from bridge_cli.convert.families.llama_like import INERT_KEYS, LLAMA_STYLE, LlamaLike
 from bridge_cli.convert.families.moe import MOE_INERT_KEYS, MoELike, moe_fixed
 from bridge_cli.convert.hf_config import unsupported
-from bridge_cli.convert.hf_weights import Architecture, Pair, moe_layer_pattern
+from bridge_cli.convert.hf_weights import Architecture, Layout, Pair, moe_layer_pattern
 
 MLA_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
             "max_position_embeddings", "hidden_act", "rms_norm_eps", "tie_word_embeddings", "rope_parameters",
@@ -50,20 +58,20 @@ class DeepseekV3(MoELike):
     architecture = "DeepseekV3ForCausalLM"
     models = ("DeepSeek-V3, Kimi K2, Moonlight: multi-latent attention (q_lora_rank set or null, YaRN with "
               "mscale/mscale_all_dim), dense first layers, MoE layers with the sigmoid group-limited router, "
-              "expert bias and shared experts")
+              "expert bias and shared experts; the Hub's multi-token-prediction layers as megatron-core's MTP block")
     limits = ("refuses attention_bias, rope_interleave false, RoPE scalings other than yarn, norm_topk_prob false "
               "(megatron-core renormalises sigmoid scores), num_experts_per_tok / topk_group other than 2 with "
-              "n_group above 1; the Hub's multi-token-prediction layer (model.layers.<num_hidden_layers>) is not "
-              "converted")
+              "n_group above 1, multi-token-prediction layers whose embed_tokens or shared_head.head differ from the "
+              "model's")
     fixed = {key: value for key, value in moe_fixed(DENSE_FIXED, moe_router_score_function="sigmoid",
                                                     moe_router_enable_expert_bias=True).items()
              if key not in ROUTED}
-    mapped_keys = (*MLA_KEYS, *ROUTING_KEYS)
+    # num_mtp_layers (config.json's num_nextn_predict_layers): mtp_num_layers where the folder holds those layers
+    mapped_keys = (*MLA_KEYS, *ROUTING_KEYS, "num_mtp_layers")
     assumed = {"attention_bias": False, "rope_interleave": True}
-    # pretraining_tp: transformers 5 ignores it; num_mtp_layers: speculative decoding only, transformers loads no
-    # weights for it; num_key_value_heads: MLA expands the latent into every head's key and value (transformers'
-    # SDPA attention reads the head count from them)
-    inert_keys = (*INERT_KEYS, "pretraining_tp", "num_mtp_layers", "num_key_value_heads", *MOE_INERT_KEYS)
+    # pretraining_tp: transformers 5 ignores it; num_key_value_heads: MLA expands the latent into every head's key
+    # and value (transformers' SDPA attention reads the head count from them)
+    inert_keys = (*INERT_KEYS, "pretraining_tp", "num_key_value_heads", *MOE_INERT_KEYS)
     experts_key = "n_routed_experts"
     all_layers_moe = False
 
@@ -73,6 +81,20 @@ class DeepseekV3(MoELike):
         # every layer dense: the Llama layout's fields, none of the router's
         dense = LlamaLike.fields(self, hf, where, seq_length)
         return {key: value for key, value in dense.items() if not key.startswith("moe_")}
+
+    def tensor_fields(self, hf: Mapping[str, Any], where: Path, fields: Mapping[str, Any],
+                      tensors: Collection[str]) -> dict[str, Any]:
+        """``mtp_num_layers``: config.json's ``num_nextn_predict_layers`` where the folder holds those layers (the
+        Hub's releases), else none (transformers' saves, which drop them)."""
+        depth, layers = hf.get("num_nextn_predict_layers") or 0, fields["num_layers"]
+        if not depth or f"{self.hf_layers}.{layers}.eh_proj.weight" not in tensors:
+            return {"mtp_num_layers": None}
+        dense = hf.get("first_k_dense_replace")
+        if layers <= dense < layers + depth:
+            unsupported(where, f"first_k_dense_replace {dense} with {layers} layers and {depth} multi-token-prediction "
+                               "layers: DeepSeek's MTP layers past it are MoE layers, megatron-core builds every MTP "
+                               "layer like the decoder's last, a dense one")
+        return {"mtp_num_layers": depth}
 
     def moe_layers(self, hf: Mapping[str, Any], where: Path, num_layers: int) -> list[bool]:
         dense = hf.get("first_k_dense_replace")
@@ -186,7 +208,8 @@ class DeepseekV3(MoELike):
                 "q_lora_rank": model["q_lora_rank"], "kv_lora_rank": model["kv_lora_rank"],
                 "qk_nope_head_dim": model["qk_head_dim"], "qk_rope_head_dim": model["qk_pos_emb_head_dim"],
                 "v_head_dim": model["v_head_dim"], "first_k_dense_replace": layers - sum(pattern),
-                "rope_interleave": True, "rope_scaling": self.hf_rope_scaling(model)}
+                "rope_interleave": True, "rope_scaling": self.hf_rope_scaling(model),
+                "num_nextn_predict_layers": model.get("mtp_num_layers") or 0}
 
     def hf_rope_scaling(self, model: Mapping[str, Any]) -> Optional[dict[str, Any]]:
         if model.get("rope_type", "yarn") != "yarn":
@@ -208,6 +231,35 @@ class DeepseekV3(MoELike):
                 "norm_topk_prob": True}
 
     # tensors
+
+    def pairs(self, arch: Architecture) -> list[Pair]:
+        """The Llama layout's, and the multi-token-prediction layers' between the final norm and the output layer
+        (megatron-core's order); their copies of the embedding and output head go with the model's."""
+        out = super().pairs(arch)
+        if not arch.mtp_layers:
+            return out
+        hf = [f"{self.hf_layers}.{arch.num_layers + k}." for k in range(arch.mtp_layers)]
+        embeds, heads = [p + "embed_tokens.weight" for p in hf], [p + "shared_head.head.weight" for p in hf]
+        embedding, *body = out
+        output = [] if arch.tied else [body.pop()]
+        mtp = [pair for k, p in enumerate(hf) for pair in self.mtp_pairs(arch, f"mtp.layers.{k}.", p)]
+        return [self.shared(embedding, embeds + (heads if arch.tied else []), arch), *body, *mtp,
+                *(self.shared(pair, heads, arch) for pair in output)]
+
+    @staticmethod
+    def shared(pair: Pair, copies: list[str], arch: Architecture) -> Pair:
+        """``pair`` (the embedding or the output layer) with the Hugging Face ``copies`` of its tensor."""
+        return Pair(pair.mcore, (*pair.hf, *((name, (arch.vocab_size, arch.hidden_size)) for name in copies)),
+                    Layout.SHARED)
+
+    def mtp_pairs(self, arch: Architecture, m: str, p: str) -> list[Pair]:
+        """One multi-token-prediction layer: megatron-core names under ``m``, Hugging Face's under ``p``; its
+        transformer layer is built like the decoder's last."""
+        h = arch.hidden_size
+        return [*self.norm_pairs(arch, m + "enorm", p + "enorm"), *self.norm_pairs(arch, m + "hnorm", p + "hnorm"),
+                Pair(m + "eh_proj.weight", ((p + "eh_proj.weight", (h, 2 * h)),)),
+                *self.layer_pairs(arch, arch.num_layers - 1, m + "transformer_layer.", p),
+                *self.norm_pairs(arch, m + "final_layernorm", p + "shared_head.norm")]
 
     def feed_forward_pairs(self, arch: Architecture, layer: int, m: str, p: str) -> list[Pair]:
         if not arch.num_experts:  # every layer dense

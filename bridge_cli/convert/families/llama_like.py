@@ -8,7 +8,7 @@ per-head q/k norms, fused projections, sliding windows, its own config.json keys
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Collection, Mapping, Optional
 
 from bridge_cli.convert import hf_config, yarn
 from bridge_cli.convert.families import hf_defaults
@@ -82,18 +82,25 @@ class LlamaLike:
 
     # config.json -> model fields
 
-    def model_fields(self, hf: Mapping[str, Any], where: Path, seq_length: Optional[int] = None) -> dict[str, Any]:
+    def model_fields(self, hf: Mapping[str, Any], where: Path, seq_length: Optional[int] = None,
+                     tensors: Optional[Collection[str]] = None) -> dict[str, Any]:
         """The recipe's ``model:`` fields for config.json ``hf`` (read from ``where``), a key it lacks meaning what
         transformers' config class of the family makes of it.
 
         ``seq_length`` overrides the default (max_position_embeddings capped at
-        DEFAULT_MAX_SEQ_LENGTH). Raises CheckpointError for what
-        megatron-core cannot build exactly.
+        DEFAULT_MAX_SEQ_LENGTH); ``tensors``, the names of the folder's tensors, adds what they decide
+        (:meth:`tensor_fields`). Raises CheckpointError for what megatron-core cannot build exactly.
         """
         hf = self.completed(hf)
         fields = self.fields(hf, where, seq_length)
         self.check_assumed(hf, where)  # after the family's own checks, whose refusals say more
-        return fields
+        return fields if tensors is None else {**fields, **self.tensor_fields(hf, where, fields, tensors)}
+
+    def tensor_fields(self, hf: Mapping[str, Any], where: Path, fields: Mapping[str, Any],
+                      tensors: Collection[str]) -> dict[str, Any]:
+        """The model's fields that the folder's tensor names (``tensors``) decide beyond config.json ``hf``: none
+        here (DeepSeek-V3's multi-token-prediction layers, which transformers' own saves leave out)."""
+        return {}
 
     def completed(self, hf: Mapping[str, Any]) -> dict[str, Any]:
         """config.json ``hf`` with transformers' default for each key it lacks, and its RoPE settings in
