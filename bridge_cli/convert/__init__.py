@@ -10,8 +10,8 @@
 ``mcore_io``    a CPU GPTModel for a model config, loaded from or saved to a torch_dist checkpoint.
 ``hf_import``   ``import-hf``: HF folder -> torch_dist checkpoint + ``recipe.yaml``.
 ``hf_export``   ``export-hf``: torch_dist checkpoint -> config.json + safetensors.
-``old_imports`` refusing a run past the sliding window of an import that capped seq_length at it (before the
-                windows were mapped).
+``old_imports`` imports that capped seq_length at a sliding window (before the windows were mapped): a run past
+                the window is refused, an export gets the window back.
 
 Only ``safetensors`` is needed at run time; ``transformers`` is used by the tests alone.
 """

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Optional
 
 from bridge_cli.checkpoint import layout, verify
-from bridge_cli.convert import families
+from bridge_cli.convert import families, old_imports
 from bridge_cli.convert.hf_files import check_output_free, parse_size, staged, write_safetensors
 
 
@@ -46,8 +46,10 @@ def export_hf(ckpt_dir: Path, out_dir: Path, step: Optional[int] = None, max_sha
     max_shard_bytes = parse_size(max_shard_size)
     path = layout.require_checkpoint(Path(ckpt_dir), step).path
     model_cfg = mcore_io.model_config(mcore_io.saved_model_values(path))
-    values = mcore_schema.to_yaml_values("model", GPTModelProvider, model_cfg)
-    recorded = ((verify.saved_config(path) or {}).get("checkpoint") or {}).get("export_hf_model_type")
+    saved = verify.saved_config(path)
+    # a checkpoint of an import that capped seq_length at the sliding window gets the window back
+    values = old_imports.export_values(mcore_schema.to_yaml_values("model", GPTModelProvider, model_cfg), path, saved)
+    recorded = ((saved or {}).get("checkpoint") or {}).get("export_hf_model_type")
     family = families.for_export(values, model_type, path, recorded)
     config = family.hf_config(values)
     arch = Architecture.of(model_cfg)

@@ -1,5 +1,5 @@
-"""Imports written before ``import-hf`` mapped sliding windows, caught before a run trains or scores one longer than
-the window.
+"""Imports written before ``import-hf`` mapped sliding windows: refused before a run trains or scores one past the
+window, and given their window back when exported.
 
 Until b8cf5f9 (27 November 2026) ``import-hf`` capped ``model.seq_length`` of a Mistral, Mixtral, Phi-3 or
 StarCoder2 at config.json's ``sliding_window`` and wrote no ``model.window_size``: up to the window, full causal
@@ -7,7 +7,8 @@ attention is what the model computes. Run with a longer ``model.seq_length``, su
 sequence without a word (a Mistral with a 16-token window scored at 64 tokens: loss 8.04 where transformers gives
 7.95). Today's import writes ``model.window_size`` for every family that has windows (null where config.json has
 none), so such a family's imported recipe without the key is an old one. The source folder its header names says
-how long the window is; where it is gone, the import's own length is the safe bound. No torch import.
+how long the window is; where it is gone, the import's own length is the safe bound (and export, which cannot
+write a window it does not know, is refused). No torch import.
 """
 
 from __future__ import annotations
@@ -40,18 +41,24 @@ class OldImport:
     seq_length: int
     """Its recipe's model.seq_length: the window, or less."""
 
-    def window(self) -> tuple[bool, Optional[int]]:
-        """(known, the source's sliding window in tokens or None for none), read from the source's config.json as
-        today's import maps it; (False, None) where that folder is gone or no longer converts."""
+    def window_fields(self) -> Optional[dict[str, Any]]:
+        """``window_size`` and ``window_attn_skip_freq`` as today's import maps the source's config.json (both None
+        for a model without a window); None where that folder is gone or no longer converts."""
         from bridge_cli.convert import families, hf_config
 
         try:
             hf = hf_config.read_config(self.source)
             fields = families.FAMILIES[self.family].model_fields(hf, self.source / "config.json")
         except (CheckpointError, ConfigError, OSError):
+            return None
+        return {key: fields.get(key) for key in ("window_size", "window_attn_skip_freq")}
+
+    def window(self) -> tuple[bool, Optional[int]]:
+        """(known, the source's sliding window in tokens or None for none); (False, None) where the source is gone."""
+        fields = self.window_fields()
+        if fields is None:
             return False, None
-        window = fields.get("window_size")
-        return True, None if window is None else window[0] + 1
+        return True, None if fields["window_size"] is None else fields["window_size"][0] + 1
 
 
 def check_seq_length(checkpoint, seq_length: int) -> None:
@@ -77,6 +84,28 @@ def check_seq_length(checkpoint, seq_length: int) -> None:
         f"Re-import the folder: bridge convert-ckpt import-hf {old.source} {old.root}_windowed --recipe "
         f"{old.base_recipe} (its recipe carries model.window_size, which holds at any model.seq_length), then train "
         f"with recipe={old.root}_windowed/recipe.yaml; or keep model.seq_length at {limit} or less.")
+
+
+def export_values(values: dict[str, Any], path: Path, saved: Optional[dict]) -> dict[str, Any]:
+    """The ``model:`` values to export checkpoint ``path`` (an iteration folder, its run_config.yaml ``saved``) with:
+    ``values``, and the sliding window of the old import it is, or was trained from, which they lack. Its training
+    never reached past the window, so the windowed model is the one trained; exported without the window it would
+    attend to whole sequences in transformers."""
+    if values.get("window_size") is not None:
+        return values
+    roots = [path.parent, ((saved or {}).get("checkpoint") or {}).get("pretrained_checkpoint")]
+    old = next((found for found in (_old_import(Path(root)) for root in roots if root) if found), None)
+    if old is None:
+        return values
+    window = old.window_fields()
+    if window is None:
+        raise CheckpointError(
+            f"{path} is, or was trained from, {old.root}: an import of a {old.family} from before import-hf mapped "
+            "sliding windows, so its run_config.yaml has no model.window_size, and the source folder whose "
+            f"config.json says the window, {old.source}, is gone. Exported without the window, the model would "
+            f"attend to whole sequences in transformers. Put the Hugging Face folder back at {old.source} (its "
+            "config.json is enough) and export again.")
+    return {**values, **window} if window["window_size"] is not None else values
 
 
 def find(checkpoint) -> Optional[OldImport]:

@@ -1,7 +1,7 @@
 """Imports from before import-hf mapped sliding windows (bridge_cli/convert/old_imports.py): their recipe capped
 model.seq_length at a Mistral's window and had no model.window_size, so a longer model.seq_length ran full causal
 attention without a word. pretrain, finetune and eval now refuse it, exit 2, naming the field, the window and the
-command that re-imports the folder; within the window they run as before.
+command that re-imports the folder; within the window they run as before. export-hf writes the window back.
 
 An old import is made here as the old code wrote it: today's import of a tiny Mistral (sliding_window 8), its recipe
 and run_config.yaml then given the old model section (seq_length 8, no window_size).
@@ -43,6 +43,7 @@ def aged(root: Path) -> Path:
         for key in ("window_size", "window_attn_skip_freq"):
             model.pop(key, None)
         model["seq_length"] = min(model["seq_length"], cap)
+        config["checkpoint"].pop("export_hf_model_type")  # nor the family (recorded from 09:40 that day)
         file.write_text(header + yaml.safe_dump(config, sort_keys=False))
     return root
 
@@ -142,3 +143,31 @@ def test_the_reimport_the_message_gives_trains_past_the_window(cli, imports, tmp
     assert (model["window_size"], model["seq_length"]) == ([WINDOW - 1, 0], 128)
     assert dry_run(cli, f"recipe={out / 'recipe.yaml'}", "model.seq_length=64").exit_code == 0
     assert json.loads((source / "config.json").read_text())["sliding_window"] == WINDOW
+
+
+def test_export_writes_the_window_of_an_old_import_back(cli, imports, tmp_path):
+    """Its run_config.yaml has no window; the source's config.json has, and the exported Mistral computes as the
+    source does past the window (24 tokens, window 8)."""
+    out = tmp_path / "exported"
+    result = cli("convert-ckpt", "export-hf", str(imports["windowed"]), str(out))
+    assert result.exit_code == 0, result.output
+    config = json.loads((out / "config.json").read_text())
+    assert (config["model_type"], config["sliding_window"]) == ("mistral", WINDOW)
+    tokens = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        source, exported = (transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()(
+            tokens).logits for folder in (imports["windowed"].with_name("hf_windowed"), out))
+    assert torch.equal(exported, source)
+
+
+def test_exporting_an_old_import_whose_source_is_gone_is_refused(cli, imports, tmp_path):
+    moved = tmp_path / "moved"
+    shutil.copytree(imports["windowed"], moved)
+    recipe = moved / "recipe.yaml"
+    recipe.write_text(recipe.read_text().replace(str(imports["windowed"].with_name("hf_windowed")),
+                                                 str(tmp_path / "deleted")))
+    result = cli("convert-ckpt", "export-hf", str(moved), str(tmp_path / "out"))
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert f"the source folder whose config.json says the window, {tmp_path / 'deleted'}, is gone" in result.stderr
+    assert f"Put the Hugging Face folder back at {tmp_path / 'deleted'}" in result.stderr
+    assert not (tmp_path / "out").exists()
