@@ -1,6 +1,7 @@
 """`bridge finetune finetune.objective=distill` (recipe tiny_distill) end to end on the CPU: the KL to the teacher
 falls, `bridge eval` reports it, the teacher stays frozen, TP=2 and DP=2 give one process's curve, a resumed run
-prints the uninterrupted one's, a Hugging Face teacher gives the bridge checkpoint's numbers, bad input exits 2.
+prints the uninterrupted one's, a Hugging Face teacher gives the bridge checkpoint's numbers, LoRA and packed rows
+train, bad input exits 2.
 
 The teacher is the shared tiny base (2 layers, hidden 128); the student is tiny_distill's (1 layer, hidden 64)."""
 
@@ -139,6 +140,27 @@ def test_a_hugging_face_teacher_gives_the_checkpoint_teachers_numbers(teacher, d
     steps = numbers(curve(result.stdout))
     for step in (1, 2):
         assert steps[step][:3] == pytest.approx(numbers(one_process)[step][:3], rel=1e-5, abs=1e-5), step
+
+
+def test_lora_distillation_from_the_model_itself_starts_at_kl_0(teacher, data):
+    """A LoRA student with the teacher's shape on the teacher's weights: B starts at 0, so the student is the
+    teacher at first, and its adapters train on the KL and the CE."""
+    result = bridge(*distill(teacher, data, "peft=lora", f"checkpoint.pretrained_checkpoint={teacher}",
+                             "model.num_layers=2", "model.hidden_size=128", "model.ffn_hidden_size=512",
+                             "train.train_iters=3", "logger.log_interval=1", "train.eval_iters=0"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    steps = numbers(curve(result.stdout))
+    assert steps[1][1] == 0 and steps[3][1] > 0 and steps[3][0] < steps[1][0], steps
+
+
+def test_packed_rows_distill(teacher, data):
+    """Two SFT records and more per 128-token row: each attends to itself, in the teacher as in the student."""
+    result = bridge(*distill(teacher, data, "dataset.packed_sequence_specs.packed_sequence_size=128",
+                             "train.micro_batch_size=2", "train.global_batch_size=4", "train.train_iters=10",
+                             "logger.log_interval=1", "train.eval_iters=0"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    steps = numbers(curve(result.stdout))
+    assert sorted(steps) == list(range(1, 11)) and steps[10][1] < steps[1][1], steps
 
 
 def test_bad_input_exits_2_naming_the_field_and_writes_nothing(cli, teacher, data, tmp_path):
