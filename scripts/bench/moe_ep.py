@@ -4,7 +4,7 @@ share of the step, and a checkpoint saved at EP=N that resumes on one GPU.
     python scripts/bench/moe_ep.py [--iters 30] [--ep 2 [4 ...]] [--recipe moe_proxy] [-- OVERRIDE ...]
 
 Runs of `bridge pretrain` with the same global batch:
-1. one process, and again with micro-batch 2 as a control of bf16 rounding;
+1. one process, and again with another micro-batch size (``--control-micro-batch``) as a control of bf16 rounding;
 2. ``--ep`` processes under torchrun with ``model.expert_model_parallel_size=EP`` (data-parallel EP
    for the rest of the model), megatron-core's timers at level 2 and the PyTorch profiler on rank 0
    over three late iterations: megatron-core has no timer around the token dispatcher, so the
@@ -39,9 +39,10 @@ TIMER = re.compile(r"^\s+(forward-backward|forward-compute|backward-compute|all-
                    r"optimizer)\s*\.*:\s*\(([0-9.]+), ([0-9.]+)\)", re.M)
 # CPU initialization draws every expert the same under any expert-parallel size (on the GPU each
 # EP rank draws its experts from its own seed), so the layouts start from the same model.
-# Micro-batches of 1 on every GPU, compiled layers (bridge's token dispatch compiles at any EP size).
-DEFAULT_OVERRIDES = ["model.num_layers=8", "optimizer.use_distributed_optimizer=true", "model.use_cpu_initialization=true",
-                     "train.micro_batch_size=1"]
+# The recipe's micro-batch of 2 on every GPU and its compiled layers (bridge's token dispatch compiles at any EP
+# size). At micro-batch 1 the proxy's step is bound by the host on one GPU already (about 1,100 kernel launches a
+# micro-batch), and each EP layer adds collectives to launch: see docs/performance.md.
+DEFAULT_OVERRIDES = ["model.num_layers=8", "optimizer.use_distributed_optimizer=true", "model.use_cpu_initialization=true"]
 RESUME_OVERRIDES = ["model.num_layers=2", "model.num_moe_experts=16", "model.vocab_size=32768",
                     "optimizer.use_distributed_optimizer=true", "model.use_cpu_initialization=true",
                     "model.compile_layers=false", "train.micro_batch_size=1"]
@@ -131,6 +132,8 @@ def main() -> None:
     parser.add_argument("--recipe", default="moe_proxy")
     parser.add_argument("--resume-overrides", nargs="*", default=RESUME_OVERRIDES)
     parser.add_argument("--curves-only", action="store_true", help="only the one-GPU and EP runs")
+    parser.add_argument("--control-micro-batch", type=int, default=1,
+                        help="the control run's micro-batch size (another than the runs' own)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     if args.iters < 5:
@@ -147,11 +150,13 @@ def main() -> None:
         runs = {"one GPU": one}
         for size in args.ep:
             runs[f"EP={size}"] = expert_parallel(size, base, args.iters, tmp)
-        # the control: one GPU again with two micro-batches of 2 instead of 1 (the same math, summed in
-        # another order), to tell bf16 rounding carried through a steep curve from an EP error
+        # the control: one GPU again with another micro-batch size (the same math, summed in another order),
+        # to tell bf16 rounding carried through a steep curve from an EP error
         if not args.curves_only:
-            runs["micro-batch 2"] = report("one GPU, micro-batch 2", summary(run([
-                *bridge, *base, f"train.train_iters={args.iters}", "train.micro_batch_size=2"])[0]))
+            control = f"micro-batch {args.control_micro_batch}"
+            runs[control] = report(f"one GPU, {control}", summary(run([
+                *bridge, *base, f"train.train_iters={args.iters}",
+                f"train.micro_batch_size={args.control_micro_batch}"])[0]))
         for name, r in runs.items():
             print(f"{name} losses: " + " ".join(f"{r['losses'][i]:.3f}" for i in sorted(r["losses"])))
         print(f"loss curves over {args.iters} iterations, largest relative difference from one GPU: " + ", ".join(
