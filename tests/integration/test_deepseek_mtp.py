@@ -162,7 +162,8 @@ def test_an_imported_mtp_layer_trains(imported):
     result = ok(bridge("pretrain", f"recipe={imported / 'recipe.yaml'}", "train.train_iters=6", "train.eval_iters=0",
                        "logger.log_interval=1", "model.seq_length=64"))
     assert len(losses(result.stdout)) == 6
-    mtp = [float(line.split("mtp_1 loss ")[1].split()[0]) for line in result.stdout.splitlines() if "mtp_1 loss" in line]
+    mtp = [float(line.split("mtp_1 loss ")[1].split()[0])
+           for line in result.stdout.splitlines() if "mtp_1 loss" in line]
     assert len(mtp) == 6 and mtp[-1] < mtp[0], mtp
 
 

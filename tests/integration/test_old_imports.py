@@ -18,6 +18,7 @@ import torch
 import yaml
 
 transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.slow  # Hugging Face conversions (reading an old recipe alone: tests/unit/test_old_imports.py)
 
 WINDOW = 8
 
