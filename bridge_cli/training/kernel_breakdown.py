@@ -102,6 +102,36 @@ def by_launching_op(path: Path, steps: int, top: int) -> list[OpShare]:
     return [OpShare(*key, us / steps / 1000, launches[key] / steps) for key, us in time.most_common(top)]
 
 
+class IdleCauses(NamedTuple):
+    host_late_ms: float  # per step: the next kernel was launched only after the GPU had run dry
+    waiting_ms: float  # per step: the next kernel was launched in time and started late (a stream or rank dependency)
+
+
+def idle_causes(path: Path, steps: int) -> IdleCauses:
+    """Split a Chrome trace's idle GPU time by cause, matching each kernel to its launch ("correlation").
+
+    A gap that ends with a kernel launched after the previous one finished is the host setting the pace (its
+    Python, dispatch and launch overhead); one whose kernel was queued before is a wait on another stream or an
+    event (a collective waiting for a peer). The profiler slows the host, so host-late time reads higher under
+    it than in an unprofiled step."""
+    events = _events(path)
+    launched = {e["args"]["correlation"]: e["ts"] + e["dur"] for e in events
+                if e.get("ph") == "X" and e.get("cat") in ("cuda_runtime", "cuda_driver")
+                and "correlation" in e.get("args", {})}
+    late = waiting = 0.0
+    reach = None
+    for e in sorted(filter(_is_gpu_work, events), key=lambda e: e["ts"]):
+        start, end = float(e["ts"]), float(e["ts"]) + float(e["dur"])
+        if reach is not None and start > reach:
+            launch_end = launched.get(e.get("args", {}).get("correlation"))
+            if launch_end is not None and launch_end >= reach:
+                late += start - reach
+            else:
+                waiting += start - reach
+        reach = end if reach is None else max(reach, end)
+    return IdleCauses(late / steps / 1000, waiting / steps / 1000)
+
+
 def op_table(shares: list[OpShare], title: str) -> str:
     lines = [title, f"  {'ms/step':>9} {'launches':>8}  {'kind':<20} {'kernel':<50} op (input shapes)"]
     lines += [f"  {s.ms_per_step:>9.2f} {s.launches_per_step:>8.0f}  {s.kind:<20} {s.kernel[:50]:<50} "

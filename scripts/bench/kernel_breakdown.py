@@ -6,7 +6,9 @@ bridge prints the same table itself when `profiling.use_pytorch_profiler=true` r
 reads traces other trainers wrote (torchtitan: `--profiling.enable_profiling`) so both are split the
 same way. ``--steps`` is how many training steps the trace covers. ``--ops N`` also lists the N largest
 (kind, kernel, launching op, its input shapes): which op a kind's time goes to (shapes where the run
-recorded them, ``profiling.record_shapes=true``).
+recorded them, ``profiling.record_shapes=true``). Below the table, the idle time split by cause: the host
+late (the next kernel launched after the GPU ran dry: Python and launch overhead set the pace) or a wait on a
+launched kernel's dependency (another stream, a peer rank's collective).
 """
 
 from __future__ import annotations
@@ -35,6 +37,10 @@ def main() -> None:
             continue
         shares = kernel_breakdown.breakdown(kernels, args.steps)
         print(kernel_breakdown.table(shares, f"{trace} ({args.steps} steps), per step:"))
+        late, waiting = kernel_breakdown.idle_causes(trace, args.steps)
+        print(f"  of the idle time: host late {late:.1f} ms/step (the next kernel launched after the GPU ran dry), "
+              f"waiting on a dependency {waiting:.1f} ms/step (read host-late time as an upper bound: the profiler "
+              "slows the host)")
         if args.ops:
             rows = kernel_breakdown.by_launching_op(trace, args.steps, args.ops)
             print(kernel_breakdown.op_table(rows, f"the {args.ops} largest by launching op, per step:"))

@@ -99,3 +99,22 @@ def test_a_cpu_run_prints_no_gpu_breakdown(tmp_path, capsys):
     trace = next(tmp_path.glob("*.pt.trace.json*"))
     assert kernel_breakdown.from_trace_file(trace) == []  # a CPU trace holds no kernels
     assert "by kernel kind" not in capsys.readouterr().out
+
+
+def test_idle_time_is_split_into_host_late_and_waiting(tmp_path):
+    """B is launched after A has finished (the host set the pace: 70 us); C was launched long before B ended and
+    still started 100 us late (a wait on another stream or rank)."""
+    def launch(correlation, ts):
+        return {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": 10,
+                "args": {"correlation": correlation}}
+
+    def kernel(correlation, ts, dur):
+        return {"ph": "X", "cat": "kernel", "name": f"k{correlation}", "ts": ts, "dur": dur,
+                "args": {"correlation": correlation}}
+
+    events = [launch(1, 0), kernel(1, 20, 80), launch(2, 150), kernel(2, 170, 30), launch(3, 50), kernel(3, 300, 50)]
+    trace = tmp_path / "t.pt.trace.json"
+    trace.write_text(json.dumps({"traceEvents": events}))
+    late, waiting = kernel_breakdown.idle_causes(trace, steps=1)
+    assert (late, waiting) == (pytest.approx(0.070), pytest.approx(0.100))
+    assert kernel_breakdown.breakdown(kernel_breakdown.from_trace_file(trace), 1)[-1].ms_per_step == pytest.approx(0.170)
