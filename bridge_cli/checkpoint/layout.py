@@ -198,5 +198,14 @@ def holds_hugging_face_weights(root: Path) -> bool:
     return (Path(root) / "config.json").is_file() and any(Path(root).glob("*.safetensors"))
 
 
+def is_hugging_face_folder(path: Optional[str]) -> bool:
+    """Whether ``path`` is a Hugging Face model folder (config.json and safetensors, no bridge checkpoint)."""
+    if path is None:
+        return False
+    folder = Path(path)
+    return (holds_hugging_face_weights(folder) and not is_complete(folder) and not complete_iterations(folder)
+            and not (folder / TRACKER).is_file())
+
+
 def _listing(iterations: list[int]) -> str:
     return ", ".join(map(str, iterations)) if iterations else "none"

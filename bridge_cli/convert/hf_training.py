@@ -64,13 +64,9 @@ _LAUNCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RA
 """torchrun's variables, which the conversion's child process must not see (it is a world of one)."""
 
 
-def is_hf_folder(path: Optional[str]) -> bool:
-    """Whether ``path`` is a Hugging Face model folder (config.json and safetensors, no bridge checkpoint)."""
-    if path is None:
-        return False
-    folder = Path(path)
-    return (layout.holds_hugging_face_weights(folder) and not layout.is_complete(folder)
-            and not layout.complete_iterations(folder) and not (folder / layout.TRACKER).is_file())
+is_hf_folder = layout.is_hugging_face_folder
+"""Whether a path is a Hugging Face model folder; the checkpoint layer's test, so a command asks it without importing
+the families."""
 
 
 def model_fields(hf_dir: str) -> tuple[Any, dict[str, Any]]:
