@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from enum import Enum
 from pathlib import Path
@@ -42,20 +43,22 @@ def load_config(overrides: list[str] | None, recipes_dir: list[Path] | None, wor
                 runs_model: bool = True, device: Optional[Device | str] = None, resume: Optional[str] = None,
                 hf_load: bool = False):
     """Compose, convert and validate one run's config (the recipe defaults to the tiny one); returns
-    (recipe, ConfigContainer) with its derived values.
+    (recipe, ConfigContainer) with its derived values. It is composed once (with a Hugging Face folder, only the
+    value overrides are applied again, above config.json's) and validated once.
 
     A ``checkpoint.pretrained_checkpoint`` that is a Hugging Face folder sets the model section from its
     config.json, between the recipe and the command line (:mod:`bridge_cli.convert.hf_training`).
     ``resume='auto'`` points ``checkpoint.load`` at ``checkpoint.save`` when that holds a checkpoint
-    and ``load`` is unset, while the config is built (before validation, which writes nothing).
+    and ``load`` is unset, on the composed config, before the ConfigContainer is built.
     ``hf_load`` (evaluation) reads a ``checkpoint.load`` that is a Hugging Face folder as
     ``checkpoint.pretrained_checkpoint``: the weights to score, converted in memory.
     """
     from bridge_cli.runtime.mcore_import import import_megatron_core
 
     import_megatron_core(runs_model)
+    from bridge_cli.checkpoint.layout import is_hugging_face_folder
     from bridge_cli.config.compose import compose
-    from bridge_cli.convert import hf_training, old_imports
+    from bridge_cli.convert import old_imports
     from bridge_cli.training.config import ConfigContainer
 
     recipe, rest = DEFAULT_RECIPE, []
@@ -64,39 +67,54 @@ def load_config(overrides: list[str] | None, recipes_dir: list[Path] | None, wor
             recipe = item.split("=", 1)[1]
         else:
             rest.append(item)
-    composed = compose(recipe, rest, recipes_dir)
-    if hf_load and hf_training.is_hf_folder(composed.checkpoint.load):
-        rest = [*rest, f"checkpoint.pretrained_checkpoint={composed.checkpoint.load}", "checkpoint.load=null"]
-        composed = compose(recipe, rest, recipes_dir)
-    pretrained = composed.checkpoint.pretrained_checkpoint
-    if hf_training.is_hf_folder(pretrained):
-        # config.json's model goes between the recipe and the command line (see convert.hf_training)
-        composed = compose(recipe, [*hf_training.model_overrides(pretrained), *rest], recipes_dir)
-        hf_training.check_model(composed.model, pretrained)
-    container = ConfigContainer.from_yaml_dict(composed)
+    composed = compose(recipe, rest, recipes_dir, beneath=functools.partial(_hugging_face_model, hf_load))
+    ckpt = composed.checkpoint
+    if hf_load and is_hugging_face_folder(ckpt.load):
+        ckpt.pretrained_checkpoint, ckpt.load = ckpt.load, None
+    if is_hugging_face_folder(ckpt.pretrained_checkpoint):
+        from bridge_cli.convert import hf_training
+
+        hf_training.check_model(composed.model, ckpt.pretrained_checkpoint)
+    lines = []
     if resume is not None:
         from bridge_cli.checkpoint.load import resolve_resume
 
-        load, lines = resolve_resume(container.checkpoint, resume)
+        load, lines = resolve_resume(ckpt, resume)
         if load is not None:
-            container.checkpoint.load = load
-        for line in lines if is_rank_zero() else []:
-            print(line, flush=True)
+            ckpt.load = load
+    container = ConfigContainer.from_yaml_dict(composed)
+    for line in lines if is_rank_zero() else []:
+        print(line, flush=True)
     # an import that capped seq_length at a sliding window, from before import-hf mapped windows
     old_imports.check_seq_length(container.checkpoint, container.model.seq_length)
     container.validate(world_size, getattr(device, "value", device))
     return recipe, container
 
 
+def _hugging_face_model(hf_load: bool, composed) -> list[str]:
+    """The overrides of config.json's model fields when the run starts from a Hugging Face folder
+    (``checkpoint.pretrained_checkpoint``, or with ``hf_load`` ``checkpoint.load``): compose's layer between the
+    recipe and the command line. Without a folder, the family registry is not imported."""
+    from bridge_cli.checkpoint.layout import is_hugging_face_folder
+
+    ckpt = composed.checkpoint
+    folder = ckpt.load if hf_load and is_hugging_face_folder(ckpt.load) else ckpt.pretrained_checkpoint
+    if not is_hugging_face_folder(folder):
+        return []
+    from bridge_cli.convert import hf_training
+
+    return hf_training.model_overrides(folder)
+
+
 def print_dry_run(recipe: str, container) -> None:
     from omegaconf import OmegaConf
 
+    from bridge_cli.checkpoint.layout import is_hugging_face_folder
     from bridge_cli.config.compose import PRECEDENCE
-    from bridge_cli.convert import hf_training
 
     print(OmegaConf.to_yaml(container.to_dict()), end="")
     precedence = PRECEDENCE
-    if hf_training.is_hf_folder(container.checkpoint.pretrained_checkpoint):
+    if is_hugging_face_folder(container.checkpoint.pretrained_checkpoint):
         precedence = PRECEDENCE.replace(" < command-line", " < config.json of checkpoint.pretrained_checkpoint "
                                         "(model) < command-line")
     print(f"# recipe: {recipe}\n# precedence: {precedence}")

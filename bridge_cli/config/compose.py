@@ -15,6 +15,7 @@ import functools
 import re
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
@@ -169,15 +170,19 @@ def _staged_text(recipe: recipes.Recipe, text: str) -> str:
     return text
 
 
-def compose(recipe_name: str | None, overrides: list[str], recipes_dirs: list[Path] | None = None) -> DictConfig:
-    """The composed, schema-checked (unresolved) config of one run.
+def compose(recipe_name: str | None, overrides: list[str], recipes_dirs: list[Path] | None = None,
+            beneath: Callable[[DictConfig], list[str]] | None = None) -> DictConfig:
+    """The composed, schema-checked and resolved config of one run.
 
     Hydra composes the defaults list (the group options, the recipe) and applies the value overrides
     (``section.key=value``) after it, with the same function; the first part is kept per recipe text
-    and group overrides, so a process that composes again (a run from a Hugging Face folder, the Python
-    API, the tests) pays only the second.
+    and group overrides, so a process that composes again (the Python API, the tests) pays only the second.
+
+    ``beneath`` is a layer of value overrides between the recipe and ``overrides`` that depends on the
+    composed config (a Hugging Face folder's config.json, :mod:`bridge_cli.cli.config_loading`): it is given the
+    config of the recipe and ``overrides`` and returns the layer's overrides, under which ``overrides`` are
+    applied again to the defaults; the recipe is read and the defaults list composed once either way.
     """
-    from hydra._internal.config_loader_impl import ConfigLoaderImpl  # Hydra 1.3 (pinned): what its compose calls
     from hydra.errors import HydraException
 
     schema.register()
@@ -187,7 +192,23 @@ def compose(recipe_name: str | None, overrides: list[str], recipes_dirs: list[Pa
         name, text = recipe.name, _staged_text(recipe, _read_recipe(recipe.path, str(recipe.path)))
     try:
         groups, values = _split(overrides)
-        cfg = copy.deepcopy(_compose_defaults(name, text, groups))
+        defaults = _compose_defaults(name, text, groups)
+    except (HydraException, OmegaConfBaseException) as err:
+        raise _translate(err, recipe) from err
+    cfg = _with_values(defaults, values, recipe, overrides)
+    layer = beneath(cfg) if beneath is not None else []
+    if layer:
+        cfg = _with_values(defaults, [*_split(layer)[1], *values], recipe, [*layer, *overrides])
+    return cfg
+
+
+def _with_values(defaults: DictConfig, values: list, recipe: recipes.Recipe | None, overrides: list[str]) -> DictConfig:
+    """A copy of the composed ``defaults`` with the parsed value overrides applied, checked for unknown keys, resolved."""
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl  # Hydra 1.3 (pinned): what its compose calls
+    from hydra.errors import HydraException
+
+    try:
+        cfg = copy.deepcopy(defaults)
         ConfigLoaderImpl._apply_overrides_to_config(values, cfg)
     except (HydraException, OmegaConfBaseException) as err:
         raise _translate(err, recipe) from err

@@ -45,6 +45,23 @@ def test_precedence_group_defaults_then_recipe_then_command_line():
     assert container("tiny", "optimizer.lr=0.5").optimizer.lr == 0.5  # command line beats recipe
 
 
+def test_a_layer_beneath_the_command_line_decided_from_the_composed_config():
+    """A Hugging Face folder's config.json goes between the recipe and the command line; which folder is known only
+    once the recipe and the command line are composed. The layer sees that config, wins over the recipe, loses to
+    the command line, and what follows its values by interpolation (dataset.seq_length) follows them."""
+    seen = []
+
+    def layer(cfg):
+        seen.append(cfg.checkpoint.pretrained_checkpoint)
+        return ["model.seq_length=64", "model.hidden_size=96", "model.num_layers=3"]
+
+    cfg = compose("tiny", ["checkpoint.pretrained_checkpoint=/hf", "model.num_layers=5"], beneath=layer)
+    assert seen == ["/hf"]
+    assert (cfg.model.seq_length, cfg.dataset.seq_length, cfg.model.hidden_size) == (64, 64, 96)
+    assert cfg.model.num_layers == 5 and cfg.checkpoint.pretrained_checkpoint == "/hf"
+    assert compose("tiny", [], beneath=lambda cfg: []).model.hidden_size == 128  # no layer: the recipe's
+
+
 def test_mixed_precision_preset_expands_but_never_overrides_the_user():
     bf16 = container("tiny", "mixed_precision=bf16_mixed")
     assert bf16.model.bf16 and bf16.optimizer.bf16 and str(bf16.model.params_dtype) == "torch.bfloat16"
