@@ -31,6 +31,7 @@ from bridge_cli.checkpoint import layout, optimizer_by_name, state_dict, verify
 from bridge_cli.checkpoint.adapters import AdapterPolicy
 from bridge_cli.checkpoint.errors import CheckpointError
 from bridge_cli.checkpoint.save import NON_PERSISTENT
+from bridge_cli.runtime.fsdp import load_model_state, restore_sharded_optimizer_state
 
 
 @dataclass
@@ -218,7 +219,7 @@ def _load(state, model: list, optimizer, scheduler, path: Path, weights_only: bo
             sharded, str(path), _load_strategy(state.cfg, path), strict=ckpt.dist_ckpt_strictness))
     for key, chunk in zip(state_dict.model_keys(model), state_dict.model_chunks(model)):
         # a selection (base weights or adapters of a LoRA model) leaves the other keys as they are
-        _read(path, f"the {key} weights", lambda: chunk.load_state_dict(loaded[key], strict=select is None))
+        _read(path, f"the {key} weights", lambda: load_model_state(chunk, loaded[key], strict=select is None))
     if load_optim:
         _read(path, "the optimizer state", lambda: _load_optimizer(optimizer, loaded["optimizer"], state))
     elif optim_mode == BY_NAME:
@@ -362,6 +363,7 @@ def _initialize_optimizer_state(optimizer) -> None:
 @torch.no_grad()  # the fp32 distributed optimizer copies into main params that are the model's own
 def _load_optimizer(optimizer, saved, state) -> None:
     optimizer.load_state_dict(saved)
+    restore_sharded_optimizer_state(optimizer)  # FSDP2's moments are DTensors like its weights
     # With torch's Adam, megatron-core's DistributedOptimizer saves the step count in each param
     # group and, loading, leaves the per-parameter "step" tensors at their placeholder value (and
     # shared between parameters): set each from its group.

@@ -52,9 +52,12 @@ Selector = Optional[Callable[[str], bool]]
 
 def model_sharded_state_dict(model: list, metadata: dict, select: Selector = None) -> dict:
     """``{"model": ...}`` (or ``model0``, ``model1``, ... per virtual pipeline stage), the keys ``select`` keeps."""
+    from bridge_cli.runtime.fsdp import fix_gated_linear_shards
+
     out = {}
     for key, chunk in zip(model_keys(model), model_chunks(model)):
         sharded = chunk.sharded_state_dict(metadata=metadata)
+        fix_gated_linear_shards(chunk, sharded)  # FSDP2's shards of SwiGLU's fc1
         out[key] = {k: v for k, v in sharded.items() if select(k)} if select else sharded
     return out
 

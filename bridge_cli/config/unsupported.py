@@ -35,7 +35,6 @@ UNSUPPORTED: dict[str, str] = {
     "dist.local_rank": "each process takes its local rank (its GPU) from its launcher: torchrun's LOCAL_RANK or "
                        "Slurm's SLURM_LOCALID.",
     "dist.lazy_init": "DDP is always initialized by bridge.",
-    "dist.use_torch_fsdp2": "torch FSDP2 is not supported; use the distributed optimizer.",
     "dist.nccl_communicator_config_path": "per-communicator NCCL settings are not passed to megatron-core yet.",
     "dist.use_tp_pp_dp_mapping": "ranks are always ordered tp-cp-ep-dp-pp (megatron-core's default).",
     "dist.use_gloo_process_groups": "megatron-core's optional gloo groups are not created.",

@@ -86,12 +86,29 @@ class CPUChainedOptimizer(ChainedOptimizer):
 
 
 def grad_norm_fp32(grads: list[torch.Tensor], group: dist.ProcessGroup | None) -> float:
-    """L2 norm of ``grads`` summed over ``group``; every rank of the group gets the same value."""
+    """L2 norm of ``grads`` summed over ``group``; every rank of the group gets the same value.
+
+    Under torch FSDP2 the grads are DTensors, each rank holding a shard: their squares are summed over the
+    data-parallel group first, as megatron-core's ``get_grad_norm_fp32`` does.
+    """
+    grads, shard_group = _local_shards(grads)
     total = torch.zeros(1, dtype=torch.float32)
     for grad in grads:
         total += grad.detach().float().pow(2).sum()
+    if shard_group is not None:
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=shard_group)
     dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
     return total.sqrt().item()
+
+
+def _local_shards(grads: list[torch.Tensor]) -> tuple[list[torch.Tensor], dist.ProcessGroup | None]:
+    """Each grad's local part, and the group its DTensors are sharded over (None: plain tensors)."""
+    from megatron.core.utils import get_data_parallel_group_if_dtensor, to_local_if_dtensor
+
+    shard_group = None
+    for grad in grads:
+        shard_group = get_data_parallel_group_if_dtensor(grad, shard_group)
+    return [to_local_if_dtensor(grad) for grad in grads], shard_group
 
 
 def clip_grads_by_total_norm(params: list[torch.nn.Parameter], max_norm: float, total_norm: float):
@@ -104,9 +121,12 @@ def clip_grads_by_total_norm(params: list[torch.nn.Parameter], max_norm: float, 
 
 
 def count_zeros_fp32(grads: list[torch.Tensor], group: dist.ProcessGroup | None) -> int:
-    """Number of zero entries in ``grads``, summed over ``group``."""
+    """Number of zero entries in ``grads``, summed over ``group`` (and over the shards of FSDP2's DTensors)."""
+    grads, shard_group = _local_shards(grads)
     total = torch.zeros(1, dtype=torch.int64)
     for grad in grads:
         total += grad.numel() - torch.count_nonzero(grad)
+    if shard_group is not None:
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=shard_group)
     dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
     return int(total.item())

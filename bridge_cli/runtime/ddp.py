@@ -15,14 +15,22 @@ if TYPE_CHECKING:
     from megatron.core.optimizer import MegatronOptimizer
 
 
-def wrap_model(model_chunks: list, ddp_config: DistributedDataParallelConfig) -> list:
+def wrap_model(model_chunks: list, ddp_config: DistributedDataParallelConfig, torch_fsdp2: bool = False,
+               device=None) -> list:
     """Wrap each model chunk in megatron-core DDP and make the data-parallel replicas equal.
 
     Chunks after the first (virtual pipeline stages) share one bucket each, as Megatron-LM
-    does, so their grads are reduced once the pipeline has drained.
+    does, so their grads are reduced once the pipeline has drained. ``torch_fsdp2``
+    (``dist.use_torch_fsdp2``) or ``ddp_config.use_megatron_fsdp`` wrap them in an FSDP
+    instead (:mod:`bridge_cli.runtime.fsdp`), on ``device``.
     """
     from megatron.core.distributed import DistributedDataParallel
     from megatron.core.utils import get_model_config
+
+    if torch_fsdp2 or ddp_config.use_megatron_fsdp:
+        from bridge_cli.runtime.fsdp import wrap_fsdp
+
+        return wrap_fsdp(model_chunks, ddp_config, torch_fsdp2, device)
 
     wrapped = [
         DistributedDataParallel(

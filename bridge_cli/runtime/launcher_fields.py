@@ -1,7 +1,7 @@
 """Fields of megatron-core's config classes that Megatron-LM's launcher (its training script), not megatron-core's
 layers, acts on: bridge passes the pipeline's communication backend on (runtime/distributed.py) and refuses the
-model and ddp fields of what it does not set up (Transformer Engine's userbuffers, captured CUDA graphs, Megatron
-FSDP: bridge always wraps in megatron-core's DistributedDataParallel)."""
+model fields of what it does not set up (Transformer Engine's userbuffers, captured CUDA graphs). The ddp fields of
+Megatron-FSDP are runtime/fsdp.py's."""
 
 from __future__ import annotations
 
@@ -26,24 +26,12 @@ NOT_SET_UP = {
 }
 """model field -> what it does that bridge does not (refused away from its default)."""
 
-MEGATRON_FSDP_FIELDS = ("use_megatron_fsdp", "use_custom_fsdp", "data_parallel_sharding_strategy",
-                        "outer_dp_sharding_strategy", "suggested_communication_unit_size", "preserve_fp32_weights",
-                        "gradient_reduce_div_fusion", "fsdp_double_buffer", "fsdp_manual_registration")
-"""ddp fields that configure Megatron FSDP's wrapper (and, by prefix, ``fsdp_*`` and ``megatron_fsdp_*``)."""
-
-FSDP = ("configures Megatron FSDP, which bridge does not use: it wraps the model in megatron-core's "
-        "DistributedDataParallel")
-
 
 def check_launcher_fields(model, ddp_config, device: str) -> None:
-    """Raise ConfigError for a launcher-level model or ddp field this run cannot honour."""
+    """Raise ConfigError for a launcher-level model field this run cannot honour."""
     import torch
 
     _refuse_set("model", model, NOT_SET_UP.get)
-    _refuse_set("ddp", ddp_config,
-                lambda name: FSDP if name in MEGATRON_FSDP_FIELDS or name.startswith(("fsdp_", "megatron_fsdp_"))
-                else None,
-                "; optimizer.use_distributed_optimizer=true shards the optimizer state across data-parallel ranks")
     backend = model.pipeline_model_parallel_comm_backend  # nccl or ucc (the schema's choices)
     if backend is None:
         return

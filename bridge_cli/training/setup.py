@@ -243,7 +243,7 @@ def setup(state: GlobalState, checkpointing_context: Optional[dict] = None) -> S
     runtime = initialize(state)
     clock.lap("process groups")
     # megatron-core's DDP and optimizer take only the parameters that require grad: with peft, the adapters
-    model = wrap_model(build_model(cfg, runtime), cfg.ddp)
+    model = wrap_model(build_model(cfg, runtime), cfg.ddp, cfg.dist.use_torch_fsdp2, runtime.device)
     if cfg.model.gradient_accumulation_fusion:
         from bridge_cli.models import wgrad_in_graph
 

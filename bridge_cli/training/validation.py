@@ -21,6 +21,7 @@ from bridge_cli.config.errors import ConfigError
 from bridge_cli.config.fields import check_section
 from bridge_cli.config.finetune_config import check_objective
 from bridge_cli.config.ranges import check_ranges
+from bridge_cli.config.schema import mcore_sections
 from bridge_cli.config.unsupported import check_unsupported
 from bridge_cli.models.attention.config_checks import check_attention
 from bridge_cli.models.fp8_checks import check_low_precision
@@ -30,6 +31,7 @@ from bridge_cli.models.specs import default_spec_name
 from bridge_cli.models.wgrad_accumulation import check as check_wgrad_accumulation
 from bridge_cli.config.data_configs import FinetuningDatasetConfig
 from bridge_cli.runtime.device_rules import check_device
+from bridge_cli.runtime.fsdp import check_fsdp
 from bridge_cli.runtime.launcher_fields import check_launcher_fields
 from bridge_cli.runtime.mcore_import import megatron_core_version
 from bridge_cli.runtime.output_paths import check_output_folders
@@ -103,9 +105,10 @@ def validate_and_derive(cfg, world_size: int, device: str, previous: Optional[De
     """
     if previous is not None and previous.holds_for(cfg, world_size, device):
         return dataclasses.replace(previous, model=_run_model(cfg.model, previous.vocab_size, device))
+    mcore = mcore_sections()  # megatron-core's classes check themselves
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
-        if f.init and f.name not in ("model", "optimizer", "ddp") and dataclasses.is_dataclass(value):
+        if f.init and f.name not in mcore and dataclasses.is_dataclass(value):
             check_section(f.name, value)
     check_unsupported(cfg)
     _check_required(cfg)
@@ -115,6 +118,7 @@ def validate_and_derive(cfg, world_size: int, device: str, previous: Optional[De
     _check_precision(cfg)
     _check_rerun_mode(cfg)
     check_objective(cfg)
+    check_fsdp(cfg, device)  # before the device table: Megatron-FSDP's own reason beats its optimizer's
     check_device(cfg, device)
     vocab_size = _vocab_size(cfg)
     dp = data_parallel_size(cfg.model, world_size)

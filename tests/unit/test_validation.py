@@ -30,9 +30,7 @@ REFUSED = [
     (["model.ffn_hidden_size=511", "model.tensor_model_parallel_size=2", "--world-size", "2"],
      ["model.ffn_hidden_size", "not divisible by model.tensor_model_parallel_size (2)"]),
     (["scheduler.lr_decay_steps=100"], ["scheduler.lr_decay_steps", "scheduler.lr_decay_iters instead"]),
-    # Megatron-LM's FSDP wrapper is picked from these; bridge always wraps in megatron-core's DDP
-    (["ddp.use_megatron_fsdp=true"], ["ddp.use_megatron_fsdp: configures Megatron FSDP", "use_distributed_optimizer=true"]),
-    (["ddp.fsdp_double_buffer=true"], ["ddp.fsdp_double_buffer: configures Megatron FSDP"]),
+    # FSDP's combinations: tests/unit/test_fsdp_config.py
     (["model.tp_comm_overlap=true"], ["model.tp_comm_overlap", "userbuffers, which bridge does not initialize"]),
     (["model.pre_sublayer_norm=false", "model.spec=te", "--device", "cuda"],
      ["model.pre_sublayer_norm", "local and torch layer specs only", "model.spec=torch"]),
