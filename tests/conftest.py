@@ -55,6 +55,16 @@ def one_process():
     destroy_distributed()
 
 
+@pytest.fixture(scope="module")
+def leaves_no_rerun_state_machine():
+    """For tests of loss functions, which report to megatron-core's rerun state machine and so create its global
+    instance on first use: destroyed after the module, so a later in-process `bridge` run can create its own."""
+    yield
+    from megatron.core.rerun_state_machine import destroy_rerun_state_machine
+
+    destroy_rerun_state_machine()
+
+
 def run(*args: str, timeout: int = 600, env: dict | None = None, cwd: Path | None = None,
         hand_off: bool = True) -> subprocess.CompletedProcess:
     """Run a command (e.g. `bridge pretrain ...`) as a user would, capturing its output. The bridge

@@ -11,6 +11,8 @@ import torch
 
 from bridge_cli.training.distill_loss import distill_loss, vocab_parallel_kl
 
+pytestmark = pytest.mark.usefixtures("leaves_no_rerun_state_machine")
+
 VOCAB, PADDED = 7, 10  # three padding columns, as a padded embedding has
 
 

@@ -9,6 +9,8 @@ import torch
 
 from bridge_cli.training.dpo_loss import dpo_loss
 
+pytestmark = pytest.mark.usefixtures("leaves_no_rerun_state_machine")
+
 BETA = 0.3
 
 
