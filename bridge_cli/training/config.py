@@ -38,6 +38,7 @@ from bridge_cli.config.runtime_configs import (
     RNGConfig,
     StragglerDetectionConfig,
 )
+from bridge_cli.config.schema import mcore_sections
 from bridge_cli.models.provider import GPTModelProvider
 from bridge_cli.runtime.optimizer_config import OptimizerConfig
 from bridge_cli.training.validation import Derived, data_parallel_size, validate_and_derive
@@ -51,7 +52,8 @@ __all__ = [
     "TokenizerConfig", "TrainingConfig",
 ]
 
-_MCORE = {"model": GPTModelProvider, "optimizer": OptimizerConfig, "ddp": DistributedDataParallelConfig}
+_MCORE = mcore_sections()
+"""The sections whose schema is megatron-core's config classes (the schema's list: bridge_cli/config/schema.py)."""
 
 
 @dataclass

@@ -126,11 +126,17 @@ def test_the_sections_are_the_same_in_the_schema_the_container_and_the_primary_c
 
     import yaml
 
-    from bridge_cli.config.schema import SECTIONS
+    import typing
+
+    from bridge_cli.config.schema import SECTIONS, mcore_sections
     from tests.conftest import REPO
 
     container = {f.name for f in dataclasses.fields(ConfigContainer) if f.init} - {"mixed_precision"}
     defaults = yaml.safe_load((REPO / "conf" / "config.yaml").read_text())["defaults"]
     groups = {next(iter(entry)) for entry in defaults if isinstance(entry, dict)}
     groups -= {"mixed_precision", "optional recipe"}
-    assert set(SECTIONS) | {"model", "optimizer", "ddp", "dataset", "peft"} == container == groups
+    assert set(SECTIONS) | set(mcore_sections()) | {"dataset", "peft"} == container == groups
+    # and each section's class is the schema's: the container declares the schema's list, it does not keep its own
+    types = typing.get_type_hints(ConfigContainer)
+    for name, cls in {**SECTIONS, **mcore_sections()}.items():
+        assert cls in (types[name], *typing.get_args(types[name])), (name, types[name], cls)
