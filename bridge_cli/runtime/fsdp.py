@@ -70,10 +70,11 @@ def check_fsdp(cfg, device: str) -> None:
         raise ConfigError(kind, f"does not work with model.pipeline_model_parallel_size={m.pipeline_model_parallel_size}"
                           ": megatron-core shards whole model chunks, not pipeline stages.",
                           f"Set model.pipeline_model_parallel_size=1, or unset {kind}.")
-    if m.num_moe_experts and m.expert_model_parallel_size > 1:
-        raise ConfigError(kind, f"does not work with model.expert_model_parallel_size={m.expert_model_parallel_size}"
-                          " in bridge (Megatron-LM refuses it for torch FSDP2; bridge's expert dispatch is untested "
-                          "under Megatron-FSDP).", f"Set model.expert_model_parallel_size=1, or unset {kind}.")
+    if m.num_moe_experts:
+        raise ConfigError(kind, f"does not work with model.num_moe_experts={m.num_moe_experts} in bridge: its expert "
+                          "layers, token dispatch and their checkpoints are not wired for FSDP (Megatron-LM refuses "
+                          "expert parallelism under torch FSDP2).", f"Unset {kind} for a mixture of experts; "
+                          "optimizer.use_distributed_optimizer=true shards its optimizer state.")
     if cfg.peft is not None:
         raise ConfigError(kind, "does not work with peft: LoRA's frozen base weights would be sharded and "
                           "all-gathered with nothing to train in them.", f"Unset {kind} (LoRA's optimizer state is small).")
@@ -81,6 +82,13 @@ def check_fsdp(cfg, device: str) -> None:
         _check_torch_fsdp2(cfg)
     else:
         _check_megatron_fsdp(cfg, device)
+    if cfg.logger.log_params_norm:
+        raise ConfigError(kind, "does not work with logger.log_params_norm=true: bridge's norm sums whole weights, "
+                          "and FSDP's are shards.", f"Set logger.log_params_norm=false, or unset {kind}.")
+    if device == "cuda" and cfg.optimizer.optimizer == "adam" and cfg.optimizer.adam_kernel != "foreach":
+        raise ConfigError(kind, f"does not work with optimizer.adam_kernel={cfg.optimizer.adam_kernel}: bridge's "
+                          "Triton Adam and torch's fused one step plain tensors, and FSDP's weights are DTensors.",
+                          "Set optimizer.adam_kernel=foreach (torch's foreach kernels, megatron-core's choice).")
 
 
 _choose = ("docs/parallelism.md#fsdp: torch FSDP2 on the CPU or GPU, Megatron-FSDP on GPUs with the distributed "

@@ -12,7 +12,8 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from bridge_cli.training.memory_estimate import GIB, MemoryEstimate, RunShape, estimate, shape_of, with_changes
+from bridge_cli.training.memory_estimate import (GIB, MemoryEstimate, RunShape, estimate, fsdp_shards, shape_of,
+                                                 with_changes)
 
 ACCURACY = 0.10
 """How far the estimate may be from the measured peak (the largest deviation in docs/parallelism.md's table)."""
@@ -47,8 +48,8 @@ class Advice:
                                                                                                   "no recompute")
         flight = e.micro_batches_in_flight
         rows = [
-            ("weights", e.weights, f"{_count(e.parameters)} parameters in {s.param_dtype}"),
-            ("gradients", e.gradients, f"{s.grad_dtype} buffer" + (", adapters only" if s.lora else "")),
+            ("weights", e.weights, f"{_count(e.parameters)} parameters in {s.param_dtype}" + _fsdp(s, 0)),
+            ("gradients", e.gradients, f"{s.grad_dtype} buffer" + (", adapters only" if s.lora else "") + _fsdp(s, 1)),
             ("optimizer_state", e.optimizer_state, _optimizer(s)),
             ("activations", e.activations, f"{e.layers} layers x {flight:g} micro-batch{'es' * (flight != 1)} "
                                            f"of {s.micro_batch} in flight, {recompute}"),
@@ -151,14 +152,15 @@ def _kinds(s: RunShape) -> list[list[tuple[str, RunShape]]]:
     """Candidate changes of ``s`` by kind, smallest first."""
     expert_dp = s.world // (s.etp * s.ep * s.pp)
     sharding = ([("optimizer.use_distributed_optimizer=true", with_changes(s, distributed=True))]
-                if not s.distributed and s.optimizer_instances == 1 and max(s.dp * s.cp, expert_dp) > 1 else [])
+                if not s.distributed and s.optimizer_instances == 1 and max(s.dp * s.cp, expert_dp) > 1
+                and not s.fsdp else [])
     micro = [(f"train.micro_batch_size={mb}", with_changes(s, micro_batch=mb))
              for mb in _halvings(s.micro_batch) if not s.global_batch % (mb * s.dp)]
     recompute = [(RECOMPUTE_KEYS, with_changes(s, **RECOMPUTE))] if s.recompute != "full" else []
     tensor = [_layout(s, f"model.tensor_model_parallel_size={t}", tp=t) for t in _doublings(s.tp, 8)
               if not (s.heads % t or s.groups % t or s.ffn % t) and (not s.experts or s.sp)]
     pipeline = [_layout(s, f"model.pipeline_model_parallel_size={p}", pp=p) for p in _doublings(s.pp, s.layers)
-                if not s.layers % (p * s.vpp) and not (s.first_stage_layers or s.last_stage_layers)]
+                if not s.layers % (p * s.vpp) and not (s.first_stage_layers or s.last_stage_layers) and not s.fsdp]
     expert = [_layout(s, f"model.expert_model_parallel_size={e}", ep=e) for e in _doublings(s.ep, s.experts)
               if not s.experts % e]
     return [sharding, micro, recompute] + [[c for c in kind if c] for kind in (tensor, pipeline, expert)]
@@ -193,12 +195,25 @@ def _optimizer(s: RunShape) -> str:
             "SGD: main weights and momentum" if s.momentum else "SGD: main weights")
     if s.param_bytes == 4:
         kind = kind.replace("main weights and ", "").replace(": main weights", ": nothing")
+    if s.fsdp:
+        return kind + (_fsdp(s, 2) or ", whole on each GPU")
     shard = s.dp * s.cp // s.optimizer_instances
     if not s.distributed or (shard == 1 and not s.experts):
         return f"{kind}, whole on each GPU"
     experts = f", the experts' over {s.world // (s.etp * s.ep * s.pp)}" if s.experts else ""
     ranks = "data-parallel x context-parallel ranks" if s.cp > 1 else f"data-parallel rank{'s' * (shard != 1)}"
     return f"{kind}, the distributed optimizer's share of {shard} {ranks}{experts}"
+
+
+def _fsdp(s: RunShape, part: int) -> str:
+    """How FSDP shards weights (0), gradients (1) or optimizer state (2): a note, or "" where it keeps them whole."""
+    shard = fsdp_shards(s)[part]
+    if shard == 1:
+        return ""
+    name = "torch FSDP2" if s.fsdp == "torch_fsdp2" else f"Megatron-FSDP {s.fsdp}"
+    gathered = ("" if part == 2 else ", plus the layer gathered and the next prefetched" if part == 0 else
+                ", plus one layer's whole in the backward")
+    return f", {name}'s share of {shard:g} ranks{gathered}"
 
 
 def _count(n: float) -> str:

@@ -8,6 +8,9 @@ The estimate adds, for the pipeline stage that holds the most:
 - optimizer state: fp32 main weights under bf16/fp16, Adam's two moments (SGD's momentum), sharded by the
   distributed optimizer over the data-parallel x context-parallel group, expert weights over the expert
   data-parallel group;
+- under FSDP (torch FSDP2, or Megatron-FSDP's sharding strategy) weights, gradients and optimizer state divided by
+  the data-parallel x context-parallel size as it shards them, plus the whole layers it gathers at a time (the one
+  running and the one prefetched; one layer's gradients in the backward);
 - activations: what each layer keeps for its backward per micro-batch (flash attention: no seq^2 scores,
   except the ``local`` spec), sequence parallelism dividing by TP what TP alone replicates, CP dividing the
   sequence, recompute keeping only what its settings keep, times the micro-batches 1F1B holds in flight on
@@ -96,6 +99,8 @@ class RunShape:
     loss_chunk: int
     lora: Optional[tuple[int, tuple[str, ...]]]
     mtp: int
+    fsdp: Optional[str] = None
+    """torch_fsdp2, a Megatron-FSDP sharding strategy (no_shard, optim, optim_grads, optim_grads_params), or None."""
 
     @property
     def param_bytes(self) -> int:
@@ -185,6 +190,8 @@ def shape_of(cfg, world_size: int) -> RunShape:
     else:
         loss = "half" if m.fp16_lm_cross_entropy and not m.cross_entropy_loss_fusion else "fp32"
     lora = cfg.peft
+    fsdp = ("torch_fsdp2" if cfg.dist.use_torch_fsdp2 else
+            cfg.ddp.data_parallel_sharding_strategy if cfg.ddp.use_megatron_fsdp else None)
     return RunShape(
         layers=m.num_layers, hidden=m.hidden_size, ffn=m.ffn_hidden_size or 4 * m.hidden_size,
         heads=m.num_attention_heads, groups=m.num_query_groups or m.num_attention_heads,
@@ -205,7 +212,9 @@ def shape_of(cfg, world_size: int) -> RunShape:
         etp=m.expert_tensor_parallel_size or tp, sp=m.sequence_parallel,
         first_stage_layers=m.num_layers_in_first_pipeline_stage, last_stage_layers=m.num_layers_in_last_pipeline_stage,
         param_dtype=name.get(m.params_dtype, "fp32"), act_dtype="bf16" if m.bf16 else "fp16" if m.fp16 else "fp32",
-        grad_dtype="fp32" if cfg.ddp.grad_reduce_in_fp32 else name.get(m.params_dtype, "fp32"),
+        # FSDP2 keeps no DDP buffer: its gradients are the weights' dtype
+        grad_dtype=("fp32" if cfg.ddp.grad_reduce_in_fp32 and fsdp != "torch_fsdp2" else
+                    name.get(m.params_dtype, "fp32")),
         optimizer=opt.optimizer, momentum=bool(opt.sgd_momentum), distributed=opt.use_distributed_optimizer,
         optimizer_instances=cfg.ddp.num_distributed_optimizer_instances,
         main_bytes=((2 if m.bf16 and opt.store_param_remainders else size(opt.main_params_dtype))
@@ -218,6 +227,7 @@ def shape_of(cfg, world_size: int) -> RunShape:
         attention_dropout=m.attention_dropout > 0, hidden_dropout=m.hidden_dropout > 0,
         loss=loss, loss_chunk=m.linear_cross_entropy_chunk,
         lora=(lora.dim, tuple(lora.target_modules)) if lora is not None else None, mtp=m.mtp_num_layers or 0,
+        fsdp=fsdp,
     )
 
 
@@ -411,6 +421,9 @@ def _stage(s: RunShape, rank: int) -> MemoryEstimate:
     if s.distributed:
         shard_dense = s.dp * s.cp / s.optimizer_instances
         shard_expert = s.world / (s.etp * s.ep * s.pp) / s.optimizer_instances
+    weight_shard, grad_shard, optimizer_shard = fsdp_shards(s)
+    if s.fsdp:
+        shard_dense = shard_expert = optimizer_shard
     trainable = trainable_dense / shard_dense + trainable_expert / shard_expert
     main = s.main_bytes * trainable if s.param_bytes < 4 else 0.0
     moments = sum(s.moment_bytes) if s.optimizer == "adam" else (4 if s.momentum else 0)
@@ -424,12 +437,24 @@ def _stage(s: RunShape, rank: int) -> MemoryEstimate:
         logits = _logits(s) * (1 + s.mtp)
     # the logits are spent before the layers' backward starts: the peak holds the larger of the two
     activations = saved + max(0.0, backward - logits)
+    # a sharded layer is gathered whole while it runs, the next one prefetched; its gradients reduce-scattered
+    unit = max((sum(_layer_params(s, s.moe_pattern[i])) for i in layers), default=0.0)
+    gathered = 2 * unit if weight_shard > 1 else 0.0
+    gathered_grads = unit if grad_shard > 1 else 0.0
     return MemoryEstimate(
-        weights=s.param_bytes * params, gradients=s.grad_bytes * (trainable_dense + trainable_expert),
+        weights=s.param_bytes * (params / weight_shard + gathered),
+        gradients=s.grad_bytes * ((trainable_dense + trainable_expert) / grad_shard + gathered_grads),
         optimizer_state=(main + moments * trainable) * kept, main_weights=main * kept,
         activations=activations, logits=logits,
         allowance=CONTEXT_BYTES + (NCCL_BYTES if s.world > 1 else 0), stage=rank, parameters=params,
         micro_batches_in_flight=_in_flight(s, rank), layers=len(layers))
+
+
+def fsdp_shards(s: RunShape) -> tuple[float, float, float]:
+    """What FSDP divides weights, gradients and optimizer state by (1: each rank holds them whole)."""
+    n = s.dp * s.cp
+    return {None: (1, 1, 1), "no_shard": (1, 1, 1), "optim": (1, 1, n), "optim_grads": (1, n, n),
+            "optim_grads_params": (n, n, n), "torch_fsdp2": (n, n, n)}[s.fsdp]
 
 
 def with_changes(s: RunShape, **changes) -> RunShape:

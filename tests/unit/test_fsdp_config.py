@@ -4,13 +4,16 @@ tests/gpu/test_gpu_fsdp.py."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from tests.unit.test_cli_errors import assert_user_error
 
 UNTIED = "model.share_embeddings_and_output_weights=false"
 FSDP2 = ["dist.use_torch_fsdp2=true", UNTIED]
-MEGATRON_FSDP = ["ddp.use_megatron_fsdp=true", "optimizer.use_distributed_optimizer=true", "--device", "cuda"]
+MEGATRON_FSDP = ["ddp.use_megatron_fsdp=true", "optimizer.use_distributed_optimizer=true", "optimizer.adam_kernel=foreach",
+                 "--device", "cuda"]
 
 REFUSED = [
     (["ddp.use_megatron_fsdp=true", "--device", "cpu"],
@@ -35,6 +38,10 @@ REFUSED = [
     ([*FSDP2, "model.gradient_accumulation_fusion=true"],
      ["dist.use_torch_fsdp2", "model.gradient_accumulation_fusion=true"]),
     ([*FSDP2, "peft=lora"], ["dist.use_torch_fsdp2", "peft"]),
+    ([*FSDP2, "mixed_precision=bf16_mixed", "--device", "cuda"],
+     ["dist.use_torch_fsdp2", "optimizer.adam_kernel=triton", "optimizer.adam_kernel=foreach"]),
+    ([*FSDP2, "logger.log_params_norm=true"], ["dist.use_torch_fsdp2", "logger.log_params_norm=true"]),
+    (["recipe=tiny_moe", *FSDP2], ["dist.use_torch_fsdp2", "model.num_moe_experts"]),
 ]
 
 
@@ -47,7 +54,7 @@ def test_config_validate_and_dry_run_refuse_alike(cli, args, fragments):
 @pytest.mark.parametrize("args", [
     [*FSDP2, "--world-size", "2"],
     [*FSDP2, "model.tensor_model_parallel_size=2", "--world-size", "4"],
-    [*FSDP2, "mixed_precision=bf16_mixed", "--device", "cuda", "--world-size", "2"],
+    [*FSDP2, "mixed_precision=bf16_mixed", "optimizer.adam_kernel=foreach", "--device", "cuda", "--world-size", "2"],
     [*MEGATRON_FSDP, "--world-size", "2"],
     [*MEGATRON_FSDP, "ddp.data_parallel_sharding_strategy=optim_grads_params", "model.tensor_model_parallel_size=2",
      "--world-size", "4"],
@@ -55,3 +62,44 @@ def test_config_validate_and_dry_run_refuse_alike(cli, args, fragments):
 def test_supported_layouts_pass(cli, args):
     result = cli("pretrain", "recipe=tiny", "--dry-run", *args)
     assert result.exit_code == 0, result.output
+
+
+LLAMA8B_ON_8 = ["pretrain", "recipe=llama8b", "--dry-run", "--device", "cuda", "--world-size", "8", "--gpu-memory", "80",
+                "optimizer.adam_kernel=foreach"]
+
+
+def memory_lines(result) -> dict[str, float]:
+    assert result.exit_code == 0, result.output
+    return {name: float(value) for name, value in re.findall(r"^  (\w+): ([0-9.]+)", result.stdout, re.M)}
+
+
+@pytest.mark.parametrize("strategy, sharded", [("no_shard", ()), ("optim", ("optimizer_state",)),
+                                               ("optim_grads", ("optimizer_state", "gradients")),
+                                               ("optim_grads_params", ("optimizer_state", "gradients", "weights"))])
+def test_the_memory_estimate_divides_what_megatron_fsdp_shards(cli, strategy, sharded):
+    """llama8b on 8 GPUs: each strategy divides its parts by the 8 data-parallel ranks, and a sharded part adds the
+    whole layers FSDP gathers (one layer: 218.1M parameters; 2 of them in bf16 for the weights, 1 in fp32 for the
+    gradients)."""
+    whole = memory_lines(cli(*LLAMA8B_ON_8, "optimizer.use_distributed_optimizer=false"))
+    fsdp = memory_lines(cli(*LLAMA8B_ON_8, "ddp.use_megatron_fsdp=true", "optimizer.use_distributed_optimizer=true",
+                            f"ddp.data_parallel_sharding_strategy={strategy}"))
+    layer = 218_112_000 / 2**30
+    gathered = {"weights": 2 * 2 * layer, "gradients": 4 * layer, "optimizer_state": 0.0}
+    for part in ("weights", "gradients", "optimizer_state"):
+        expected = whole[part] / 8 + gathered[part] if part in sharded else whole[part]
+        assert fsdp[part] == pytest.approx(expected, abs=0.1), (part, fsdp, whole)
+    assert fsdp["activations"] == whole["activations"]
+
+
+def test_the_memory_estimate_of_torch_fsdp2_shards_everything_and_keeps_bf16_gradients(cli):
+    args = [*LLAMA8B_ON_8, "optimizer.use_distributed_optimizer=false", "ddp.overlap_grad_reduce=false",
+            "ddp.overlap_param_gather=false", "model.gradient_accumulation_fusion=false",
+            "model.share_embeddings_and_output_weights=false"]
+    whole = memory_lines(cli(*args))
+    result = cli(*args, "dist.use_torch_fsdp2=true")
+    fsdp = memory_lines(result)
+    layer = 218_112_000 / 2**30
+    assert fsdp["weights"] == pytest.approx(whole["weights"] / 8 + 4 * layer, abs=0.1)
+    assert fsdp["gradients"] == pytest.approx(whole["gradients"] / 2 / 8 + 2 * layer, abs=0.1)  # bf16, not fp32
+    assert fsdp["optimizer_state"] == pytest.approx(whole["optimizer_state"] / 8, abs=0.1)
+    assert "torch FSDP2's share of 8 ranks" in result.stdout
