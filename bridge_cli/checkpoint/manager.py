@@ -98,13 +98,14 @@ class CheckpointManager:
             raise refused or FolderInUse(f"checkpoint.save={self.cfg.save}: another run holds this folder (see rank 0).")
 
     def after_step(self, train_cfg: "TrainingConfig", *, start_time: float, exit_signal=None,
-                   rerun_stop: Optional[tuple[bool, int]] = None) -> Decision:
+                   rerun_stop: Optional[tuple[bool, int]] = None, stop_reason: Optional[str] = None) -> Decision:
         """Whether to save ``train_state.step`` and whether to stop; one call per step, on every rank.
 
         In order: the rerun state machine stopping the run in the middle of the next step
         (``rerun_stop``, its should_checkpoint and exit code: save the step before it if it asks);
         an exit signal that arrived on any rank (``exit_signal``, the loop's handler with the
-        ``signum`` received or None; None when the run watches no signal): save, stop; a save due at
+        ``signum`` received or None; None when the run watches no signal): save, stop; ``stop_reason``, the
+        same on every rank (NVRx's straggler detection with stop_if_detected): save, stop; a save due at
         ``save_interval`` (persistent), else at ``non_persistent_save_interval``; then
         ``train.exit_duration_in_mins`` since ``start_time`` and ``train.exit_interval``, which save
         first unless this step does already. Saving needs ``checkpoint.save``.
@@ -119,6 +120,8 @@ class CheckpointManager:
         if exit_signal is not None and on_any_rank(exit_signal.signum is not None):
             name = signal.Signals(exit_signal.signum).name if exit_signal.signum else "a signal on another rank"
             return Decision(save=save, stop=True, reason=f"exiting at iteration {step}: received {name}")
+        if stop_reason:
+            return Decision(save=save, stop=True, reason=stop_reason)
         due = self._due(step)
         minutes = train_cfg.exit_duration_in_mins
         if minutes and on_any_rank(time.time() - start_time > minutes * 60):

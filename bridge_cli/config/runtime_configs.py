@@ -1,5 +1,6 @@
 """Runtime sections: RNG, distributed init, rerun state machine, profiling, fault tolerance, stragglers."""
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -150,25 +151,53 @@ class ProfilingConfig:
 
 @dataclass
 class FaultToleranceConfig:
-    """NVIDIA fault-tolerance package settings (NVIDIA internal use)."""
+    """Hang detection and in-job restarts through NVIDIA Resiliency Extension's ft_launcher (docs/resilience.md)."""
 
     enable_ft_package: bool = False
-    """Enable the Fault Tolerance package."""
+    """Report the setup, step and checkpointing sections to ft_launcher's rank monitors (run under ft_launcher)."""
 
     calc_ft_timeouts: bool = False
-    """Let the Fault Tolerance package compute its timeouts automatically."""
+    """Compute the section timeouts from this run's timings and keep them in checkpoint.save/ft_state.json."""
 
     simulate_fault: bool = False
-    """Simulate a fault, for testing fault tolerance."""
+    """Inject a fault to test fault tolerance, in the launcher's first start only (a restart then finishes)."""
 
     simulated_fault_type: str = one_of("random", "rank_hung", "rank_killed", "random")
-    """How the simulated fault behaves; 'random' picks one of the other two."""
+    """rank_hung stops the rank (SIGSTOP), rank_killed kills it (SIGKILL); 'random' picks one of the two."""
 
     simulated_fault_rank: Optional[int] = None
-    """Rank on which the simulated fault occurs."""
+    """Rank on which the simulated fault occurs (None: a random rank)."""
 
     simulated_fault_base_delay: int = 0
-    """Base delay in seconds before the simulated fault starts; a small random delay is added."""
+    """Seconds from the first training step to the simulated fault; up to 1 s more is added at random."""
+
+    def check(self) -> list[tuple[str, str]]:
+        """(field, message) for each problem; empty when the section is consistent."""
+        if not self.enable_ft_package:
+            return [(f.name, "has no effect without ft.enable_ft_package=true.") for f in dataclasses.fields(self)
+                    if f.name != "enable_ft_package" and getattr(self, f.name) != f.default]
+        problems = []
+        if resilience_missing():
+            problems.append(("enable_ft_package", f"needs {RESILIENCE_PACKAGE}"))
+        if self.simulated_fault_rank is not None and self.simulated_fault_rank < 0:
+            problems.append(("simulated_fault_rank", f"must be >= 0, got {self.simulated_fault_rank}."))
+        if self.simulated_fault_base_delay < 0:
+            problems.append(("simulated_fault_base_delay", f"must be >= 0, got {self.simulated_fault_base_delay}."))
+        return problems
+
+
+RESILIENCE_PACKAGE = ("NVIDIA Resiliency Extension (the nvidia-resiliency-ext package), which is not installed. "
+                      "Install it with: pip install 'bridge-cli[resilience]' (or: pip install nvidia-resiliency-ext).")
+
+
+def resilience_missing() -> bool:
+    """Whether nvidia-resiliency-ext cannot be imported (found without importing it: it imports torch)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("nvidia_resiliency_ext.fault_tolerance") is None
+    except ImportError:
+        return True
 
 
 @dataclass
@@ -193,22 +222,22 @@ class StragglerDetectionConfig:
 
 @dataclass
 class NVRxStragglerDetectionConfig:
-    """NVIDIA Resiliency Extension straggler detection."""
+    """NVIDIA Resiliency Extension's straggler detection: per-GPU performance scores from CUDA kernel timings."""
 
     enabled: bool = False
-    """Enable NVRx straggler detection."""
+    """Time each training step's CUDA kernels (CUPTI) and report GPU performance scores (GPU only)."""
 
     report_time_interval: float = 300.0
-    """Seconds between straggler checks."""
+    """Seconds between reports (the ranks agree on the step at which one is due)."""
 
     calc_relative_gpu_perf: bool = True
-    """Compute relative GPU performance scores."""
+    """Score each GPU against the fastest GPU (1.0: as fast); a straggler is below gpu_relative_perf_threshold."""
 
     calc_individual_gpu_perf: bool = True
-    """Compute individual GPU performance scores."""
+    """Score each GPU against its own best so far (1.0: as fast); a straggler is below gpu_individual_perf_threshold."""
 
     num_gpu_perf_scores_to_print: int = 5
-    """Best and worst scores to print each check (0: print only when stragglers are found)."""
+    """Best and worst scores to print each report (0: print only when stragglers are found)."""
 
     gpu_relative_perf_threshold: float = 0.7
     """Relative performance score below which a GPU is a straggler."""
@@ -217,33 +246,35 @@ class NVRxStragglerDetectionConfig:
     """Individual performance score below which a GPU is a straggler."""
 
     stop_if_detected: bool = False
-    """Stop training when stragglers are detected."""
+    """When a report finds stragglers, save a checkpoint (with checkpoint.save) and stop training."""
 
     enable_logging: bool = True
-    """Log GPU performance scores."""
+    """Print the scores and write every GPU's to TensorBoard/W&B (nvrx_straggler/...); stragglers are named anyway."""
 
     profiling_interval: int = 1
-    """Profiling interval passed to straggler.Detector.initialize."""
+    """Time every profiling_interval-th step (straggler.Detector.initialize's profiling_interval)."""
 
     logger_name: str = "megatron_hub.NVRxStragglerDetection"
-    """Logger name for straggler detection messages."""
+    """Python logger of the report lines (scores at INFO, stragglers at WARNING), shown on stderr."""
 
     def check(self) -> list[tuple[str, str]]:
-        """(field, message) for each problem; empty when the section is consistent or disabled."""
+        """(field, message) for each problem; empty when the section is consistent."""
         if not self.enabled:
-            return []
+            return [(f.name, "has no effect without nvrx_straggler.enabled=true.") for f in dataclasses.fields(self)
+                    if f.name != "enabled" and getattr(self, f.name) != f.default]
         problems = []
+        if resilience_missing():
+            problems.append(("enabled", f"needs {RESILIENCE_PACKAGE}"))
         if not (self.calc_relative_gpu_perf or self.calc_individual_gpu_perf):
-            problems.append(
-                (
-                    "calc_relative_gpu_perf",
-                    "calc_relative_gpu_perf or calc_individual_gpu_perf must be true when enabled.",
-                )
-            )
+            problems.append(("calc_relative_gpu_perf", "and calc_individual_gpu_perf are both false: there is no "
+                                                       "score to report. Set one of them to true."))
         if self.report_time_interval <= 0:
-            problems.append(("report_time_interval", f"must be > 0, got {self.report_time_interval}."))
+            problems.append(("report_time_interval", f"must be > 0 seconds, got {self.report_time_interval}."))
         for name in ("gpu_relative_perf_threshold", "gpu_individual_perf_threshold"):
-            value = getattr(self, name)
-            if not 0.0 <= value <= 1.0:
-                problems.append((name, f"must be between 0.0 and 1.0, got {value}."))
+            if not 0 <= getattr(self, name) <= 1:
+                problems.append((name, f"must be in [0, 1] (a score is a ratio to the best), got {getattr(self, name)}."))
+        if self.num_gpu_perf_scores_to_print < 0:
+            problems.append(("num_gpu_perf_scores_to_print", f"must be >= 0, got {self.num_gpu_perf_scores_to_print}."))
+        if self.profiling_interval < 1:
+            problems.append(("profiling_interval", f"must be >= 1, got {self.profiling_interval}."))
         return problems

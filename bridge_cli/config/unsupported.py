@@ -12,13 +12,7 @@ from typing import Any
 
 from bridge_cli.config.errors import ConfigError
 
-_RESILIENCE = ("runs through NVIDIA Resiliency Extension (the nvidia-resiliency-ext package: `pip install "
-               "nvidia-resiliency-ext`), which this version of bridge does not drive yet")
-
 UNSUPPORTED: dict[str, str] = {
-    "ft": f"fault tolerance {_RESILIENCE}, with its ft_launcher.",
-    "nvrx_straggler": f"NVRx straggler detection {_RESILIENCE}. On the GPU, straggler.log_straggler=true reports "
-                      "per-rank throughput with megatron-core's own detector.",
     "rng.te_rng_tracker": "Transformer Engine's RNG tracker (CUDA graphs) is not supported.",
     "rng.inference_rng_tracker": "the inference RNG tracker is not supported (bridge trains).",
     "rng.data_parallel_random_init": "every data-parallel replica starts from the same weights (DDP broadcasts them).",

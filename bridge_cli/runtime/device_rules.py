@@ -35,6 +35,9 @@ CUDA_ONLY: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("dist.distributed_backend=nccl", lambda c: c.dist.distributed_backend == "nccl", "dist.distributed_backend=gloo"),
     ("straggler.log_straggler=true", lambda c: c.straggler is not None and c.straggler.log_straggler,
      "straggler.log_straggler=false"),
+    # NVRx's detector scores GPUs by the CUDA kernels it times with CUPTI: there are none on the CPU
+    ("nvrx_straggler.enabled=true", lambda c: c.nvrx_straggler is not None and c.nvrx_straggler.enabled,
+     "nvrx_straggler.enabled=false"),
 )
 """(setting, whether the config has it, the CPU fix): what only the GPU path honours."""
 

@@ -55,6 +55,7 @@ def run_session(config: ConfigContainer) -> Iterator[GlobalState]:
     try:
         yield state
     finally:
+        state.fault_tolerance.close()
         if state.checkpoint_manager is not None:
             state.checkpoint_manager.close()
         if state.training_logger is not None:

@@ -190,6 +190,7 @@ def initialize(state: GlobalState):
     from bridge_cli.logging.timers import build_timers
     from bridge_cli.runtime.compile_cache import use_persistent_compile_cache
     from bridge_cli.runtime.distributed import init_distributed
+    from bridge_cli.runtime.fault_tolerance import start_fault_tolerance
 
     cfg = state.cfg
     if torch.cuda.is_available():
@@ -217,6 +218,7 @@ def initialize(state: GlobalState):
     # megatron-core's schedules, grad finalization and optimizer time themselves through these.
     state.timers = derived.model.timers = cfg.optimizer.timers = build_timers(cfg.logger)
     state.straggler_timer = start_straggler_detector(cfg.straggler)
+    state.fault_tolerance = start_fault_tolerance(cfg.ft, cfg.checkpoint, runtime.rank, runtime.world_size)
     init_microbatch_calculator(runtime.rank, cfg.train.rampup_batch_size, derived.global_batch_size,
                                cfg.train.micro_batch_size, derived.data_parallel_size)
     if runtime.rank == runtime.world_size - 1:  # the rank that prints the log
@@ -260,7 +262,8 @@ def setup(state: GlobalState, checkpointing_context: Optional[dict] = None) -> S
         run_record=cfg.run_record(), use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
         is_cuda=runtime.is_cuda, world_size=runtime.world_size, seq_length=cfg.model.seq_length, adapters=adapters)
     with converted_for_loading(cfg.checkpoint, runtime.local_rank, adapters is not None) as pretrained:  # a Hugging Face folder, converted for the load
-        load_checkpoint(state, model, optimizer, scheduler, adapters=adapters, pretrained=pretrained)
+        if load_checkpoint(state, model, optimizer, scheduler, adapters=adapters, pretrained=pretrained) is not None:
+            state.fault_tolerance.checkpoint_loaded()
     manager.base_checkpoint = state.base_checkpoint
     clock.lap("checkpoint")
     train_it, valid_it, test_it = build_data_iterators(cfg, state, len(model))

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
 from bridge_cli.checkpoint.train_state import TrainState
+from bridge_cli.runtime.fault_tolerance import FaultToleranceOff
 
 if TYPE_CHECKING:
     from bridge_cli.runtime.distributed import Runtime
@@ -32,6 +33,8 @@ class GlobalState:
     straggler_timer: Any = None
     """megatron-core's StragglerDetector with straggler.log_straggler (set by setup()), else None; the forward step
     times its batch loading and forward pass with it."""
+    fault_tolerance: FaultToleranceOff = field(default_factory=FaultToleranceOff)
+    """The rank's ft_launcher client with ft.enable_ft_package (set by setup()); else one that does nothing."""
     signal_handler: Any = None
     """The exit-signal handler train() installs with train.exit_signal_handler (see training.train.ExitSignal)."""
     base_checkpoint: Optional[str] = None

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from bridge_cli.checkpoint.layout import checkpoint_dir
+from bridge_cli.logging.nvrx_stragglers import start_nvrx_straggler_detection
 from bridge_cli.logging.timers import timed
 from bridge_cli.logging.training_logger import TrainingDiverged, TrainingLogger
 from bridge_cli.training.forward_step_func_types import ForwardStepCallable
@@ -103,7 +104,8 @@ def evaluate(global_state: GlobalState, forward_step_func: ForwardStepCallable, 
     collected = None
     with torch.no_grad(), rerun.paused():
         for _ in range(eval_iters):
-            losses = forward_backward(forward_step_func=step_func, data_iterator=data_iterator, **fb_args)
+            with global_state.fault_tolerance.section("step"):
+                losses = forward_backward(forward_step_func=step_func, data_iterator=data_iterator, **fb_args)
             if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
                 for key, value in reduce_loss_dict(losses).items():
                     totals[key] = totals.get(key, 0.0) + value
@@ -197,7 +199,8 @@ def save_checkpoint_and_time(state: GlobalState, model: list, optimizer, opt_par
         disable_forward_pre_hook(model)
     started = time.time()
     state.train_state.floating_point_operations_so_far = num_floating_point_operations_so_far
-    path = state.checkpoint_manager.save(non_persistent=non_persistent_ckpt, data_iterator=train_data_iterator)
+    with state.fault_tolerance.section("checkpointing"):
+        path = state.checkpoint_manager.save(non_persistent=non_persistent_ckpt, data_iterator=train_data_iterator)
     if toggle_hooks:
         enable_forward_pre_hook(model)
     kind = "non-persistent checkpoint" if non_persistent_ckpt else "checkpoint"
@@ -225,11 +228,14 @@ def checkpoint_and_decide_exit(state: GlobalState, model: list, optimizer, opt_p
     return decision.stop
 
 
-def _after_step(state: GlobalState, rerun_stop: Optional[tuple[bool, int]] = None) -> Decision:
+def _after_step(state: GlobalState, rerun_stop: Optional[tuple[bool, int]] = None,
+                stop_reason: Optional[str] = None) -> Decision:
     """The checkpoint manager's decision after this step (``rerun_stop``: the rerun state machine's
-    should_checkpoint and exit code, where it stops the run)."""
+    should_checkpoint and exit code, where it stops the run; ``stop_reason``: why to save and stop, as
+    NVRx's straggler detection asks)."""
     return state.checkpoint_manager.after_step(state.cfg.train, start_time=state.start_time,
-                                               exit_signal=state.signal_handler, rerun_stop=rerun_stop)
+                                               exit_signal=state.signal_handler, rerun_stop=rerun_stop,
+                                               stop_reason=stop_reason)
 
 
 def _carry_out(decision: Decision, state: GlobalState, model: list, optimizer, scheduler, flops: float,
@@ -286,6 +292,8 @@ def train(forward_step_func: ForwardStepCallable, model: list, optimizer, schedu
     logger = global_state.training_logger = global_state.training_logger or TrainingLogger(global_state, model)
     rerun.start_at(ts.step)
     profiler = StepProfiler(cfg.profiling, dist.get_rank(), global_state.runtime.is_cuda, cfg.logger.tensorboard_dir)
+    stragglers = start_nvrx_straggler_detection(cfg.nvrx_straggler)
+    straggler_stop = None
     exit_code = 0
     watched = ([train_cfg.exit_signal] if train_cfg.exit_signal_handler else []) + \
         ([signal.SIGINT] if cfg.checkpoint.save else [])  # Ctrl-C saves when there is somewhere to save
@@ -296,9 +304,11 @@ def train(forward_step_func: ForwardStepCallable, model: list, optimizer, schedu
             update_num_microbatches(ts.consumed_train_samples, consistency_check=False)
             batch_size = get_current_global_batch_size()
             profiler.before_step(ts.step + 1)
+            global_state.fault_tolerance.step_started()
             try:
-                loss_dict, skipped, should_checkpoint, should_exit, rerun_exit_code, grad_norm, num_zeros = train_step(
-                    step_func, train_data_iterator, model, optimizer, scheduler, global_state)
+                with stragglers.step():
+                    loss_dict, skipped, should_checkpoint, should_exit, rerun_exit_code, grad_norm, num_zeros = \
+                        train_step(step_func, train_data_iterator, model, optimizer, scheduler, global_state)
             except torch.OutOfMemoryError as err:
                 raise OutOfGPUMemory.during_step(err, ts.step + 1, train_cfg, cfg.model, cfg.optimizer) from err
             if not should_exit:  # else the rerun state machine stops the run in the middle of the step, undone
@@ -314,13 +324,15 @@ def train(forward_step_func: ForwardStepCallable, model: list, optimizer, schedu
                 post_training_step_callbacks(model, ts.step, global_state)
                 logger.after_step(loss_dict, skipped, grad_norm, num_zeros, optimizer, batch_size, flops)
                 profiler.after_step(ts.step)
-                if (train_cfg.eval_interval and ts.step % train_cfg.eval_interval == 0
-                        and valid_data_iterator is not None and train_cfg.eval_iters > 0):
-                    _run_evaluation(global_state, forward_step_func, valid_data_iterator, model, logger,
-                                    f"validation at iteration {ts.step}", process_non_loss_data_func,
-                                    non_loss_data_func)
+                straggler_stop = stragglers.after_step(ts.step, logger.writer)
+            global_state.fault_tolerance.step_ended()  # the step's logging included; evaluation is timed per batch
+            if (not should_exit and train_cfg.eval_interval and ts.step % train_cfg.eval_interval == 0
+                    and valid_data_iterator is not None and train_cfg.eval_iters > 0):
+                _run_evaluation(global_state, forward_step_func, valid_data_iterator, model, logger,
+                                f"validation at iteration {ts.step}", process_non_loss_data_func, non_loss_data_func)
             checkpoint_started = time.time()
-            decision = _after_step(global_state, (should_checkpoint, rerun_exit_code) if should_exit else None)
+            decision = _after_step(global_state, (should_checkpoint, rerun_exit_code) if should_exit else None,
+                                   straggler_stop)
             _carry_out(decision, global_state, model, optimizer, scheduler, ts.floating_point_operations_so_far,
                        checkpointing_context, train_data_iterator)
             if decision.stop:
@@ -329,6 +341,7 @@ def train(forward_step_func: ForwardStepCallable, model: list, optimizer, schedu
             logger.exclude(time.time() - checkpoint_started)
     finally:
         profiler.close()
+        stragglers.close()
         if train_cfg.manual_gc:
             gc.enable()
         if global_state.signal_handler is not None:
@@ -337,4 +350,5 @@ def train(forward_step_func: ForwardStepCallable, model: list, optimizer, schedu
     _carry_out(manager.at_end(), global_state, model, optimizer, scheduler, ts.floating_point_operations_so_far,
                checkpointing_context, train_data_iterator)
     manager.finalize(blocking=True)  # the saves are complete before the final evaluation, or the exit
+    global_state.fault_tolerance.training_ended()
     return exit_code
