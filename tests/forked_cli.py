@@ -50,8 +50,9 @@ REPO = Path(__file__).resolve().parent.parent
 # reads. CUDA_VISIBLE_DEVICES is read when CUDA starts, which never happens in the server (no run
 # forks where a GPU is visible); XDG_CACHE_HOME and TORCHINDUCTOR_CACHE_DIR when something compiles.
 # TORCH_LOGS is read at torch's import; a fork whose value differs sets torch's logging up again (run_as_main).
+# FT_* are the sockets ft_launcher gives a worker to reach its rank monitor (runtime/fault_tolerance.py).
 RUN_TIME_VARIABLES = re.compile(
-    r"(BRIDGE_|MLFLOW_|COMET_|WANDB_|SLURM_|TORCHELASTIC_).*|RANK|LOCAL_RANK|GROUP_RANK|ROLE_RANK|ROLE_NAME|"
+    r"(BRIDGE_|MLFLOW_|COMET_|WANDB_|SLURM_|TORCHELASTIC_|FT_).*|RANK|LOCAL_RANK|GROUP_RANK|ROLE_RANK|ROLE_NAME|"
     r"WORLD_SIZE|LOCAL_WORLD_SIZE|GROUP_WORLD_SIZE|ROLE_WORLD_SIZE|MASTER_ADDR|MASTER_PORT|OMP_NUM_THREADS|"
     r"CUDA_VISIBLE_DEVICES|PYTHONPATH|PYTEST_CURRENT_TEST|XDG_CACHE_HOME|TORCHINDUCTOR_CACHE_DIR|TORCH_LOGS|"
     # what torchrun's agent adds to a worker's environment, the shell that starts one, the Slurm templates'

@@ -61,7 +61,8 @@ def _hand_off(path: str, argv: list[str]) -> None:
         os._exit(1)
     code = json.loads(data)["exit"]
     if code < 0:  # died of a signal: so does this process
-        signal.signal(-code, signal.SIG_DFL)
+        if -code not in (signal.SIGKILL, signal.SIGSTOP):  # (those two have no handler to reset)
+            signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
     os._exit(code)
 

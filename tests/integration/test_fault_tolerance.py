@@ -1,0 +1,158 @@
+"""Fault tolerance under ft_launcher (nvidia-resiliency-ext, tested with 0.4.1 on the CPU): a 2-rank run in
+which one rank hangs or dies is detected, every worker is restarted, resumes from the last checkpoint and
+prints the uninterrupted run's loss at every iteration (bitwise up to the printed digits); the timeouts the
+run computed before the fault are the ones its restart loads."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bridge_cli.config.runtime_configs import resilience_missing
+from tests.conftest import REPO, bridge, run_env, torchrun
+from tests.integration.test_checkpoint_resume import LOSS, losses
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(resilience_missing(), reason="needs nvidia-resiliency-ext (pip install nvidia-resiliency-ext)")]
+
+ITERS = 100
+ARGS = ["recipe=tiny", f"train.train_iters={ITERS}", "logger.log_interval=1", "train.eval_iters=0",
+        "checkpoint.save_interval=5"]
+CHECK_INTERVAL = 0.5
+OUT_OF_SECTION = 10
+LAUNCHER = [sys.executable, "-m", "nvidia_resiliency_ext.fault_tolerance.launcher", "--standalone",
+            "--nproc-per-node=2", "--max-restarts=1", "--monitor-interval=0.1",
+            "--ft-rank-section-timeouts=setup:600,step:180,checkpointing:420",
+            # bridge does not compute this one (runtime/fault_tolerance.py); a rank stopped in the milliseconds
+            # between two sections is caught by it
+            f"--ft-rank-out-of-section-timeout={OUT_OF_SECTION}",
+            # a computed timeout is 10x the longest time seen (5x by default): fewer false hangs on a busy machine
+            "--ft-safety-factor=10", f"--ft-workload-check-interval={CHECK_INTERVAL}"]
+# A first job under ft_launcher trains 20 iterations (train.exit_interval) and computes its timeouts; each test
+# continues it in a copy with a fault 5-6 s into training: past a save (every 5 iterations), before the end
+# (80 iterations, 7-8 s), with the timeouts the first job computed in force wherever the fault strikes.
+FAULT = ["ft.simulate_fault=true", "ft.simulated_fault_base_delay=5"]
+FT = ["ft.enable_ft_package=true", "ft.calc_ft_timeouts=true"]
+
+FAULT_LINE = re.compile(r"simulated fault \((\w+)\): rank (\d) .* at ([0-9.]+), ")
+TIMEOUTS = re.compile(r"fault tolerance: timeouts (?:computed \(.*?\), kept in|from) \S+ft_state\.json: .*?step (\S+) s "
+                      r"\(computed\), checkpointing (\S+) s \(computed\)")
+HANG = re.compile(r"\[RankMonServer(\d+)@.*?\] (?:Section '(\w+)' has been open|Was (out of section)) for ([0-9.]+) "
+                  r"seconds\. Timeout is ([0-9.]+) seconds\.")
+RESUMED = re.compile(r"resuming at iteration (\d+)")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> dict[int, str]:
+    """The loss at every iteration of the run under torchrun, without fault tolerance."""
+    result = torchrun(2, "pretrain", *ARGS, f"checkpoint.save={tmp_path_factory.mktemp('reference') / 'ckpt'}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return losses(result.stdout)
+
+
+@pytest.fixture(scope="module")
+def first_job(tmp_path_factory) -> tuple[Path, str]:
+    """The checkpoint folder of the first 20 iterations under ft_launcher (with ft_state.json), and their output."""
+    root = tmp_path_factory.mktemp("first_job") / "ckpt"
+    out = under_ft_launcher(root, *FT, "train.exit_interval=20")
+    assert max(losses(out)) == 20 and TIMEOUTS.search(out), out[-3000:]
+    return root, out
+
+
+def under_ft_launcher(root: Path, *overrides: str, timeout: int = 300) -> str:
+    """The merged output of `ft_launcher ... -m bridge_cli pretrain ARGS checkpoint.save=ROOT OVERRIDES`;
+    asserts it succeeded."""
+    log = root.parent / f"{root.name}.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([*LAUNCHER, "-m", "bridge_cli", "pretrain", *ARGS, f"checkpoint.save={root}",
+                                 *overrides], cwd=REPO, env=run_env({"OMP_NUM_THREADS": "1"}), stdout=out,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    text = log.read_text()
+    assert proc.returncode == 0, text[-5000:]
+    return text
+
+
+def faulty_run(first_job: tuple[Path, str], root: Path, *fault: str) -> str:
+    """The first job continued in a copy of its folder under ft_launcher with ``fault``; the output of both."""
+    shutil.copytree(first_job[0], root)
+    return first_job[1] + under_ft_launcher(root, *FT, *FAULT, *fault)
+
+
+def restarted_after_fault(out: str, kind: str, rank: int) -> tuple[str, str]:
+    """(what was printed before the fault, after it); checks the fault happened once, as asked, and the run
+    resumed from the last checkpoint saved before it."""
+    faults = FAULT_LINE.findall(out)
+    assert [(k, int(r)) for k, r, _ in faults] == [(kind, rank)], out[-5000:]  # the restart runs clean
+    before, after = out.split(faults[0][2], 1)
+    saved = [int(i) for i in re.findall(r"checkpoint \S+/iter_(\d+) saved", before)]
+    assert saved and saved[-1] < ITERS, before[-3000:]
+    assert [int(i) for i in RESUMED.findall(after)] == [saved[-1]], after[-3000:]
+    return before, after
+
+
+def test_a_hung_rank_is_detected_within_the_computed_timeout_and_the_run_resumes(uninterrupted, first_job, tmp_path):
+    out = faulty_run(first_job, tmp_path / "ckpt", "ft.simulated_fault_type=rank_hung", "ft.simulated_fault_rank=1")
+    before, after = restarted_after_fault(out, "rank_hung", 1)
+    step, checkpointing = TIMEOUTS.findall(before)[-1]  # the timeouts in force when the rank hung
+    in_force = {"step": step, "checkpointing": checkpointing, "out of section": f"{OUT_OF_SECTION:.2f}"}
+    hangs = {}
+    for monitor, *hang in HANG.findall(after):  # a monitor repeats it each check until the rank is gone
+        hangs.setdefault(monitor, hang)
+    assert hangs, after[-3000:]
+    for section, out_of_section, open_for, timeout in hangs.values():  # each rank's monitor that saw it first
+        section = section or out_of_section
+        assert timeout == in_force[section], (section, timeout, in_force)
+        assert float(open_for) <= float(timeout) + CHECK_INTERVAL + 0.5, (section, open_for, timeout)
+    assert TIMEOUTS.findall(after)[0] == (step, checkpointing)  # the restart loads them
+    same_losses(out, uninterrupted)
+
+
+def test_a_killed_rank_is_restarted_and_the_run_ends_as_uninterrupted(uninterrupted, first_job, tmp_path):
+    out = faulty_run(first_job, tmp_path / "ckpt", "ft.simulated_fault_type=rank_killed", "ft.simulated_fault_rank=0")
+    _, after = restarted_after_fault(out, "rank_killed", 0)
+    # the launcher sees rank 0 killed, or rank 1 failing in a collective with it, first
+    assert re.search(r"failed \(exitcode: (-9|1)\) local_rank: [01]", after), after[-3000:]
+    same_losses(out, uninterrupted)
+
+
+def same_losses(out: str, uninterrupted: dict[int, str]) -> None:
+    """Every iteration printed, before the fault and again after the restart, has the uninterrupted loss."""
+    printed = LOSS.findall(out)
+    assert {int(i) for i, _ in printed} == set(uninterrupted), out[-3000:]
+    assert [(int(i), loss) for i, loss in printed if uninterrupted[int(i)] != loss] == []
+
+
+def test_without_ft_launcher_the_run_says_how_to_start_it(tmp_path):
+    result = bridge("pretrain", *ARGS, f"checkpoint.save={tmp_path / 'ckpt'}", "ft.enable_ft_package=true")
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "ft.enable_ft_package=true needs the run started by ft_launcher" in result.stderr
+    assert "--ft-rank-section-timeouts=setup:600,step:180,checkpointing:420" in result.stderr
+
+
+def test_the_slurm_template_restarts_both_nodes_after_a_fault(tmp_path):
+    from tests.integration.test_slurm_templates import sbatch
+
+    args = ["recipe=tiny", "train.train_iters=60", "logger.log_interval=1", "train.eval_iters=0",
+            "checkpoint.save_interval=5", f"checkpoint.save={tmp_path / 'ckpt'}", *FAULT,
+            "ft.simulated_fault_type=rank_killed", "ft.simulated_fault_rank=1", "ft.simulated_fault_base_delay=3"]
+    result = sbatch("ft_multi_node.sbatch", tmp_path, *args)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-5000:]
+    assert len(FAULT_LINE.findall(out)) == 1 and "data-parallel groups: [0,1]" in out, out[-5000:]
+    printed = LOSS.findall(out)
+    assert max(int(i) for i, _ in printed) == 60 and len(printed) > 60, out[-3000:]  # some iterations ran twice
+    again = {}
+    for i, loss in printed:
+        assert again.setdefault(i, loss) == loss, (i, loss, again[i])  # and printed the same loss
