@@ -17,11 +17,18 @@ Runs of `bridge pretrain` with the same global batch:
 Prints each run's tokens/s/GPU, TFLOP/s/GPU and MFU on the activated parameters, peak memory, and
 the largest relative difference between the loss curves. OVERRIDEs apply to runs 1 and 2 (default:
 ``DEFAULT_OVERRIDES`` below).
+
+``--titan`` adds, after bridge's EP runs, torchtitan's MoE (``run_titan_moe.py`` in this folder: its Qwen3 MoE
+model, compiled, FSDP2 over the ranks) at each ``--ep`` size on as many GPUs, at the shape, micro-batch and global
+batch of bridge's runs (read from the recipe and the OVERRIDEs), for as many steps, and prints the row
+``EP=N: bridge / torchtitan tokens/s per GPU``. It needs torchtitan 0.2.2 (``run_titan.py``'s docstring lists
+the wheels); ``--titan-arg`` passes a flag to run_titan_moe.py (repeatable, e.g. ``--titan-arg=--load-balance=none``).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import re
 import statistics
@@ -97,6 +104,51 @@ def torchrun(ranks: int) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "-m", "bridge_cli", "pretrain"]
 
 
+# bridge's model fields that run_titan_moe.py takes as flags, and those torchtitan's Qwen3 MoE has fixed
+TITAN_FLAGS = {"num_layers": "--layers", "hidden_size": "--hidden", "num_attention_heads": "--heads",
+               "num_query_groups": "--kv-heads", "kv_channels": "--head-dim", "num_moe_experts": "--experts",
+               "moe_router_topk": "--topk", "moe_ffn_hidden_size": "--expert-ffn", "vocab_size": "--vocab",
+               "seq_length": "--seq", "layernorm_epsilon": "--norm-eps", "rotary_base": "--rope-theta"}
+TITAN_FIXED = {"moe_layer_freq": 1, "moe_shared_expert_intermediate_size": None, "qk_layernorm": True,
+               "share_embeddings_and_output_weights": False, "moe_router_score_function": "softmax",
+               "moe_router_pre_softmax": False, "normalization": "RMSNorm", "gated_linear_unit": True,
+               "add_bias_linear": False, "multi_latent_attention": False, "moe_router_num_groups": None}
+
+
+def titan_shape(recipe: str, overrides: list[str]) -> list[str]:
+    """run_titan_moe.py's flags for the model and batch of bridge's ``recipe`` with ``overrides``; stops (exit 2)
+    naming the fields torchtitan's Qwen3 MoE cannot match."""
+    from bridge_cli.config.compose import compose
+
+    cfg = compose(recipe, overrides)
+    model = cfg.model
+    unlike = [f"model.{field}={model.get(field)} (torchtitan's Qwen3 MoE: {value})"
+              for field, value in TITAN_FIXED.items() if model.get(field) != value]
+    if unlike:
+        print(f"moe_ep.py --titan: torchtitan's Qwen3 MoE cannot take the shape of recipe={recipe}: "
+              + ", ".join(unlike), file=sys.stderr)
+        sys.exit(2)
+    flags = [f"{flag}={model[field]}" for field, flag in TITAN_FLAGS.items()]
+    return [*flags, f"--local-batch={cfg.train.micro_batch_size}", f"--global-batch={cfg.train.global_batch_size}"]
+
+
+def titan(script: Path, size: int, flags: list[str], iters: int) -> dict | None:
+    """torchtitan's MoE at EP=``size`` on ``size`` GPUs for ``iters`` steps, the first 5 untimed (compilation);
+    prints its row (or why it failed) and returns moe_ep's summary keys, or None."""
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(size), str(script),
+            "--ep", str(size), "--warmup", "5", "--steps", str(max(iters - 5, 1)), *flags]
+    try:
+        out = run_timed(argv, re.compile(r"step:\s+1\s"))[0]
+    except RunFailed as failure:  # its command and the end of its output are printed above
+        print(f"{'torchtitan EP=' + str(size):<22} failed: {failure}", flush=True)
+        return None
+    res = json.loads(out.strip().splitlines()[-1])
+    return report(f"torchtitan EP={size}", {
+        "step_ms": res["step_ms_median"], "tokens": res["tokens_per_s_per_gpu"], "tflops": res["tflops_per_s_per_gpu"],
+        "peak": float("nan") if res["peak_mem_gib"] is None else res["peak_mem_gib"],
+        "losses": {}, "json": res})
+
+
 def expert_parallel(size: int, base: list[str], iters: int, tmp: Path) -> dict:
     """One EP run under the profiler (three late iterations on rank 0); prints its row, then where its GPU time went."""
     first, last = iters - 4, iters - 2
@@ -134,13 +186,26 @@ def main() -> None:
     parser.add_argument("--curves-only", action="store_true", help="only the one-GPU and EP runs")
     parser.add_argument("--control-micro-batch", type=int, default=1,
                         help="the control run's micro-batch size (another than the runs' own)")
+    parser.add_argument("--titan", type=Path, nargs="?", const=Path(__file__).with_name("run_titan_moe.py"),
+                        metavar="RUN_TITAN_MOE_PY", help="also run torchtitan's MoE at each --ep size (default: "
+                        "run_titan_moe.py in this folder)")
+    parser.add_argument("--titan-arg", action="append", default=[], metavar="FLAG",
+                        help="a flag for run_titan_moe.py (needs --titan)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     if args.iters < 5:
         parser.error("--iters must be at least 5: the profiler takes iterations ITERS-4..ITERS-2 and the first 3 "
                      "are not timed")
-    base = [f"recipe={args.recipe}", "train.eval_iters=0", "logger.log_interval=1",
-            *(args.overrides or DEFAULT_OVERRIDES)]
+    if args.titan_arg and not args.titan:
+        parser.error("--titan-arg needs --titan")
+    if args.titan and not args.titan.is_file():
+        parser.error(f"no such file: {args.titan}")
+    if args.titan and importlib.util.find_spec("torchtitan") is None:
+        sys.exit("moe_ep.py --titan runs torchtitan 0.2.2, which is not installed here: run_titan.py's docstring "
+                 "(--help) lists the wheels it needs.")
+    overrides = args.overrides or DEFAULT_OVERRIDES
+    titan_flags = [*titan_shape(args.recipe, overrides), *args.titan_arg] if args.titan else []
+    base = [f"recipe={args.recipe}", "train.eval_iters=0", "logger.log_interval=1", *overrides]
     bridge = [sys.executable, "-m", "bridge_cli", "pretrain"]
     print(f"{'run':<22} {'ms/step':>8} {'tok/s/gpu':>10} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>9}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
@@ -150,6 +215,12 @@ def main() -> None:
         runs = {"one GPU": one}
         for size in args.ep:
             runs[f"EP={size}"] = expert_parallel(size, base, args.iters, tmp)
+        titan_runs = {size: titan(args.titan, size, titan_flags, args.iters) for size in args.ep} if args.titan else {}
+        for size, theirs in titan_runs.items():
+            if theirs:
+                ours = runs[f"EP={size}"]["tokens"]
+                print(f"EP={size}: bridge / torchtitan tokens/s per GPU {ours / theirs['tokens']:.2f}x (bridge "
+                      f"{ours:,.0f}, torchtitan {theirs['tokens']:,.0f})", flush=True)
         # the control: one GPU again with another micro-batch size (the same math, summed in another order),
         # to tell bf16 rounding carried through a steep curve from an EP error
         if not args.curves_only:

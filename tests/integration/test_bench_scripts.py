@@ -33,7 +33,9 @@ CPU_RUNS = ["kernel_breakdown.py", "layouts.py", "linear_cross_entropy.py", "moe
 NOT_RUN = {  # --help only, and why
     "convert_memory.py": "its real run builds a 1.24B-parameter model (8 GB of disk); test_convert_memory.py "
                          "covers its measurement",
-    "run_titan.py": "torchtitan is not a dependency: where it is missing the script says so (tested below)",
+    "run_titan.py": "torchtitan is not a dependency: where it is missing the script says so, where it is installed "
+                    "a CPU dry run (tested below)",
+    "run_titan_moe.py": "the same, and its shape and FLOPs are checked against bridge's moe_proxy below",
 }
 SCRIPTS = sorted(set(GPU_ONLY) | set(CPU_RUNS) | set(NOT_RUN))
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # as torchrun sets: a run's processes share 2 cores
@@ -83,6 +85,88 @@ def test_run_titan_without_torchtitan_says_what_to_install():
     result = python(str(BENCH / "run_titan.py"), "--device", "cpu", timeout=60)
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert "torchtitan 0.2.2, which is not installed" in result.stderr
+
+
+TORCHTITAN = importlib.util.find_spec("torchtitan") is not None
+no_torchtitan = pytest.mark.skipif(TORCHTITAN, reason="torchtitan is installed")
+with_torchtitan = pytest.mark.skipif(not TORCHTITAN, reason="torchtitan 0.2.2 is not installed (run_titan.py's "
+                                     "docstring lists its wheels; PYTHONPATH=/tmp/ttsite after pip install --target)")
+
+
+@no_torchtitan
+def test_run_titan_moe_without_torchtitan_says_what_to_install():
+    result = python(str(BENCH / "run_titan_moe.py"), "--device", "cpu", timeout=60)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert "run_titan_moe.py runs torchtitan 0.2.2, which is not installed" in result.stderr
+
+
+@no_torchtitan
+def test_moe_ep_titan_without_torchtitan_says_what_to_install():
+    """Before any run of bridge's: a comparison that cannot end is not started."""
+    result = python(str(BENCH / "moe_ep.py"), "--titan", timeout=60)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert "moe_ep.py --titan runs torchtitan 0.2.2, which is not installed" in result.stderr
+    assert result.stdout == ""
+
+
+def test_run_titan_moe_refuses_an_ep_that_does_not_divide_the_experts():
+    result = python(str(BENCH / "run_titan_moe.py"), "--ep", "3", timeout=60)
+    assert result.returncode == 2 and "--ep 3 must divide --experts (64) and the number of processes (1)" in \
+        result.stderr, result.stderr[-3000:]
+
+
+@with_torchtitan  # without, it stops earlier (tested above)
+def test_moe_ep_titan_refuses_a_shape_qwen3_moe_cannot_take():
+    result = python(str(BENCH / "moe_ep.py"), "--titan", "--recipe", "tiny_moe", timeout=120)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert "cannot take the shape of recipe=tiny_moe: model.moe_layer_freq=[0, 1, 1, 1]" in result.stderr
+
+
+def bridge_moe_proxy(*overrides: str):
+    from bridge_cli.config.compose import compose
+    from bridge_cli.training.config import ConfigContainer
+
+    cfg = ConfigContainer.from_yaml_dict(compose("moe_proxy", ["model.spec=torch", *overrides]))
+    cfg.validate(1, "cuda")
+    return cfg
+
+
+def test_titan_moe_counts_bridges_activated_flops(monkeypatch):
+    """moe_ep.py --titan hands torchtitan bridge's shape, and its MFU counts the FLOPs bridge's log counts."""
+    from bridge_cli.models.flops import num_floating_point_operations
+
+    moe_ep, run_titan_moe = bench_module(monkeypatch, "moe_ep"), bench_module(monkeypatch, "run_titan_moe")
+    flags = moe_ep.titan_shape("moe_proxy", moe_ep.DEFAULT_OVERRIDES)
+    assert "--layers=8" in flags and "--local-batch=2" in flags and "--global-batch=32" in flags, flags
+    cfg = bridge_moe_proxy(*moe_ep.DEFAULT_OVERRIDES)
+    per_token = num_floating_point_operations(cfg.model, 1) / cfg.model.seq_length
+    assert run_titan_moe.bridge_flops_per_token(run_titan_moe.parse_args(flags)) == per_token
+
+
+TITAN_PARAMETERS = """
+import sys
+import torch
+import run_titan, run_titan_moe
+run_titan.load_moe_kernels_without_triton()
+run_titan.ensure_datasets_importable()
+from torchtitan.models.qwen3 import Qwen3Model
+with torch.device("meta"):
+    model = Qwen3Model(run_titan_moe.model_args(run_titan_moe.parse_args(sys.argv[1:])))
+print("PARAMETERS", sum(p.numel() for p in model.parameters()))
+"""
+
+
+@with_torchtitan
+def test_titan_moe_model_has_bridges_parameter_count(monkeypatch):
+    """torchtitan's Qwen3 MoE built (on the meta device) from the flags moe_ep.py gives it has as many parameters
+    as bridge's moe_proxy at the same 2 layers (1.25B: embeddings and 2 x 64 experts)."""
+    from bridge_cli.training.memory_estimate import estimate_memory
+
+    moe_ep = bench_module(monkeypatch, "moe_ep")
+    flags = moe_ep.titan_shape("moe_proxy", ["model.num_layers=2"])
+    result = run(sys.executable, "-c", TITAN_PARAMETERS, *flags, cwd=BENCH, hand_off=False, timeout=300)
+    counted = int(re.search(r"^PARAMETERS (\d+)$", succeeded(result), re.M).group(1))
+    assert counted == estimate_memory(bridge_moe_proxy("model.num_layers=2"), 1).parameters == 1_247_554_048
 
 
 def test_moe_ep_refuses_too_few_iterations():
@@ -221,3 +305,46 @@ def test_moe_experts_on_the_cpu():
     for arm in ("grouped, eager, mbs 1", "SequentialMLP"):
         assert re.search(rf"^{re.escape(arm)} +[0-9.]+ ms/step +[0-9,]+ tok/s/gpu", out, re.M), out
     assert re.search(r"^SequentialMLP +tokens/s / SequentialMLP's: 1\.00x$", out, re.M), out
+
+
+TITAN_MOE_ON_THE_CPU = ["--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2", "--head-dim", "16",
+                        "--experts", "4", "--topk", "2", "--expert-ffn", "32", "--vocab", "256", "--seq", "32",
+                        "--global-batch", "8", "--steps", "2", "--warmup", "1", "--no-compile"]
+
+
+@pytest.mark.slow
+@with_torchtitan
+def test_run_titan_on_the_cpu():
+    out = succeeded(run(sys.executable, str(BENCH / "run_titan.py"), "--layers", "2", "--hidden", "64", "--heads", "4",
+                        "--kv-heads", "2", "--ffn", "128", "--vocab", "256", "--seq", "32", "--local-batch", "2",
+                        "--grad-accum", "2", "--steps", "2", "--warmup", "1", env=ONE_THREAD, hand_off=False))
+    res = json.loads(out.strip().splitlines()[-1])
+    assert res["device"] == "cpu" and res["tokens_per_s"] > 0 and math.isfinite(res["loss_last"]), res
+
+
+@pytest.mark.slow
+@with_torchtitan
+def test_run_titan_moe_expert_parallel_on_the_cpu():
+    """torchtitan's own EP (all-to-all over gloo) with FSDP2 over both ranks: one JSON line, from rank 0."""
+    out = succeeded(run(sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                        str(BENCH / "run_titan_moe.py"), "--ep", "2", *TITAN_MOE_ON_THE_CPU, env=ONE_THREAD,
+                        hand_off=False))
+    lines = [line for line in out.splitlines() if line.startswith("{")]
+    assert len(lines) == 1, out
+    res = json.loads(lines[0])
+    assert (res["ep"], res["gpus"], res["fsdp"], res["load_balance"]) == (2, 2, True, "bias"), res
+    assert res["tokens_per_s_per_gpu"] > 0 and all(math.isfinite(res[k]) for k in ("loss_first", "loss_last"))
+    # 2 x (attention 12,320 with its norms, router 256, experts 24,576, 2 norms) + embeddings, output, final norm
+    assert res["params"] == 107_392, res
+
+
+@pytest.mark.slow
+@with_torchtitan
+def test_moe_ep_titan_on_the_cpu():
+    out = succeeded(python(str(BENCH / "moe_ep.py"), "--recipe", "moe_proxy", "--iters", "5", "--ep", "2",
+                           "--curves-only", "--titan", "--titan-arg=--no-compile", "--", *MOE_PROXY_ON_THE_CPU,
+                           "model.num_layers=2", "model.use_cpu_initialization=true", "model.compile_layers=false",
+                           "train.global_batch_size=8", env=ONE_THREAD, timeout=900))
+    assert re.search(r"^torchtitan EP=2 +[0-9.]+ +[0-9,]+ ", out, re.M), out
+    assert re.search(r"^EP=2: bridge / torchtitan tokens/s per GPU [0-9.]+x \(bridge [0-9,]+, torchtitan [0-9,]+\)$",
+                     out, re.M), out
