@@ -83,15 +83,15 @@ def teacher_model_values(cfg) -> tuple[dict[str, Any], str]:
     """(the teacher's ``model:`` fields, where they were read) from ``distill.teacher_checkpoint``; a ConfigError or
     CheckpointError naming the field when it is unset or holds no model. A Hugging Face folder gives its
     config.json's fields (the ones import-hf maps), a bridge checkpoint its run_config.yaml's model section."""
-    from bridge_cli.checkpoint.layout import require_checkpoint
-    from bridge_cli.convert.hf_training import is_hf_folder, model_fields
+    from bridge_cli.checkpoint.layout import is_hugging_face_folder, require_checkpoint
+    from bridge_cli.convert.hf_training import model_fields
     from bridge_cli.convert.mcore_io import saved_model_values
 
     teacher = cfg.distill.teacher_checkpoint
     if teacher is None:
         raise ConfigError(FIELD, "is not set; finetune.objective=distill trains the model on a teacher's logits.",
                           f"Set {FIELD}=DIR (a checkpoint bridge saved, or a Hugging Face model folder).")
-    if is_hf_folder(teacher):
+    if is_hugging_face_folder(teacher):
         return model_fields(teacher)[1], str(Path(teacher) / "config.json")
     found = require_checkpoint(Path(teacher), label=f"{FIELD}={teacher}")
     return saved_model_values(found.path), str(found.path / "run_config.yaml")
