@@ -82,6 +82,10 @@ def check_fsdp(cfg, device: str) -> None:
         _check_torch_fsdp2(cfg)
     else:
         _check_megatron_fsdp(cfg, device)
+    if m.compile_layers:
+        raise ConfigError(kind, "does not work with model.compile_layers=true yet: bridge compiles each layer's "
+                          "forward in place, and FSDP hooks its all-gathers onto the same modules (not run together "
+                          "yet).", f"Set model.compile_layers=false, or unset {kind}.")
     if cfg.logger.log_params_norm:
         raise ConfigError(kind, "does not work with logger.log_params_norm=true: bridge's norm sums whole weights, "
                           "and FSDP's are shards.", f"Set logger.log_params_norm=false, or unset {kind}.")
@@ -113,9 +117,6 @@ def _check_torch_fsdp2(cfg) -> None:
          "FSDP2 overlaps its reduce-scatters with the backward by itself", "Set ddp.overlap_grad_reduce=false"),
         ("ddp.overlap_param_gather", cfg.ddp.overlap_param_gather,
          "FSDP2 prefetches its all-gathers by itself", "Set ddp.overlap_param_gather=false"),
-        ("model.compile_layers", m.compile_layers,
-         "bridge compiles each layer's forward in place, and fully_shard hooks the same modules (untested together)",
-         "Set model.compile_layers=false"),
     )
     for key, on, why, fix in clashes:
         if on:
@@ -133,6 +134,11 @@ def _check_megatron_fsdp(cfg, device: str) -> None:
     if ddp.data_parallel_sharding_strategy not in SHARDING_STRATEGIES:
         raise ConfigError("ddp.data_parallel_sharding_strategy", f"{ddp.data_parallel_sharding_strategy!r} is not "
                           "one of Megatron-FSDP's strategies.", f"Use one of {', '.join(SHARDING_STRATEGIES)}.")
+    if cfg.model.gradient_accumulation_fusion:
+        raise ConfigError(MEGATRON_FSDP, "does not work with model.gradient_accumulation_fusion=true in bridge: its "
+                          "weight-gradient GEMMs add into the main_grad buffers of megatron-core's DDP, and "
+                          "Megatron-FSDP keeps its own (Megatron-LM leaves that pairing to Transformer Engine).",
+                          "Set model.gradient_accumulation_fusion=false.")
     if not opt.use_distributed_optimizer:
         raise ConfigError(MEGATRON_FSDP, "needs optimizer.use_distributed_optimizer=true: megatron-core steps "
                           "Megatron-FSDP's sharded buffers with its distributed optimizer only (Megatron-LM turns it "
@@ -189,6 +195,11 @@ def wrap_fsdp(model_chunks: list, ddp_config, torch_fsdp2: bool, device) -> list
             return [_torch_fsdp2_wrapper()(config=get_model_config(chunk), ddp_config=ddp_config, module=chunk,
                                                   sub_modules_to_wrap=_torch_fsdp2_units())
                     for chunk in model_chunks]
+    import importlib.util
+
+    if importlib.util.find_spec("einops") is None:  # megatron-core's adapter builds its device meshes with it
+        raise RuntimeUnavailable(f"{MEGATRON_FSDP}=true needs the einops package, which megatron-core's Megatron-FSDP "
+                                 "imports to build its device meshes: pip install einops (or bridge-cli[megatron-fsdp]).")
     from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
 
     wrapped = [FullyShardedDataParallel(config=get_model_config(chunk), ddp_config=ddp_config, module=chunk,

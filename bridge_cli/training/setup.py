@@ -190,12 +190,14 @@ def initialize(state: GlobalState):
     from bridge_cli.logging.timers import build_timers
     from bridge_cli.runtime.compile_cache import use_persistent_compile_cache
     from bridge_cli.runtime.distributed import init_distributed
+    from bridge_cli.runtime.fsdp import fsdp_kind
     from bridge_cli.runtime.fault_tolerance import start_fault_tolerance
 
     cfg = state.cfg
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() and not fsdp_kind(cfg):
         # Before the CUDA context exists: keeps tensor-parallel communication ordered ahead of the
-        # compute it overlaps with, as Megatron-LM requires.
+        # compute it overlaps with, as Megatron-LM requires (not under FSDP, whose all-gathers and
+        # reduce-scatters overlap compute on their own streams: Megatron-LM refuses 1 there).
         os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     if cfg.model.compile_layers or torch.cuda.is_available():  # megatron-core compiles its fused kernels on CUDA
         use_persistent_compile_cache()

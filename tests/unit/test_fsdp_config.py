@@ -42,6 +42,9 @@ REFUSED = [
      ["dist.use_torch_fsdp2", "optimizer.adam_kernel=triton", "optimizer.adam_kernel=foreach"]),
     ([*FSDP2, "logger.log_params_norm=true"], ["dist.use_torch_fsdp2", "logger.log_params_norm=true"]),
     (["recipe=tiny_moe", *FSDP2], ["dist.use_torch_fsdp2", "model.num_moe_experts"]),
+    ([*FSDP2, "model.compile_layers=true"], ["dist.use_torch_fsdp2", "model.compile_layers=true"]),
+    ([*MEGATRON_FSDP, "model.gradient_accumulation_fusion=true"],
+     ["ddp.use_megatron_fsdp", "model.gradient_accumulation_fusion=true"]),
 ]
 
 
@@ -65,7 +68,7 @@ def test_supported_layouts_pass(cli, args):
 
 
 LLAMA8B_ON_8 = ["pretrain", "recipe=llama8b", "--dry-run", "--device", "cuda", "--world-size", "8", "--gpu-memory", "80",
-                "optimizer.adam_kernel=foreach"]
+                "optimizer.adam_kernel=foreach", "model.gradient_accumulation_fusion=false", "model.compile_layers=false"]
 
 
 def memory_lines(result) -> dict[str, float]:
@@ -93,8 +96,7 @@ def test_the_memory_estimate_divides_what_megatron_fsdp_shards(cli, strategy, sh
 
 def test_the_memory_estimate_of_torch_fsdp2_shards_everything_and_keeps_bf16_gradients(cli):
     args = [*LLAMA8B_ON_8, "optimizer.use_distributed_optimizer=false", "ddp.overlap_grad_reduce=false",
-            "ddp.overlap_param_gather=false", "model.gradient_accumulation_fusion=false",
-            "model.share_embeddings_and_output_weights=false"]
+            "ddp.overlap_param_gather=false", "model.share_embeddings_and_output_weights=false"]
     whole = memory_lines(cli(*args))
     result = cli(*args, "dist.use_torch_fsdp2=true")
     fsdp = memory_lines(result)

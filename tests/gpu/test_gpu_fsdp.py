@@ -1,0 +1,70 @@
+"""FSDP on 2 GPUs (docs/parallelism.md#fsdp): Megatron-FSDP's sharding strategies and torch FSDP2 follow the loss
+curve of the same model under the distributed optimizer (Megatron-FSDP) or plain DDP (FSDP2), bf16, NCCL.
+
+    pip install einops  # Megatron-FSDP builds its device meshes with it
+    python -m pytest -q -n 0 tests/gpu/test_gpu_fsdp.py
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import torchrun
+from tests.integration.test_pretrain_cpu import losses
+
+pytestmark = [pytest.mark.gpu, pytest.mark.slow,
+              pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                                 reason="needs 2 GPUs")]
+
+# llama1b's shape at 4 layers; every run steps torch's foreach Adam, uncompiled, so only the wrapper differs
+ARGS = ["pretrain", "recipe=llama1b", "model.num_layers=4", "train.train_iters=12", "logger.log_interval=1",
+        "train.eval_iters=0", "optimizer.adam_kernel=foreach", "model.compile_layers=false"]
+DISTRIBUTED_OPTIMIZER = ["optimizer.use_distributed_optimizer=true"]
+MEGATRON_FSDP = [*DISTRIBUTED_OPTIMIZER, "ddp.use_megatron_fsdp=true", "ddp.overlap_grad_reduce=false",
+                 "ddp.overlap_param_gather=false", "model.gradient_accumulation_fusion=false"]
+PLAIN = ["optimizer.use_distributed_optimizer=false", "ddp.overlap_grad_reduce=false", "ddp.overlap_param_gather=false",
+         "model.gradient_accumulation_fusion=false", "model.share_embeddings_and_output_weights=false"]
+TOLERANCE = 2e-2
+"""bf16 weights and another reduction order (reduce-scatters in buckets of other sizes): test_gpu_pretrain's bar
+for TP and PP against one GPU."""
+
+
+def curve(*args: str) -> list[float]:
+    result = torchrun(2, *ARGS, *args)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    found = losses(result.stdout)
+    assert len(found) == 12 and "DP 2" in result.stdout, result.stdout[-2000:]
+    return found
+
+
+@pytest.fixture(scope="module")
+def distributed_optimizer_curve() -> list[float]:
+    return curve(*DISTRIBUTED_OPTIMIZER, "ddp.overlap_grad_reduce=false", "ddp.overlap_param_gather=false",
+                 "model.gradient_accumulation_fusion=false")
+
+
+@pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads", "optim_grads_params"])
+def test_megatron_fsdp_follows_the_distributed_optimizer(distributed_optimizer_curve, strategy):
+    found = curve(*MEGATRON_FSDP, f"ddp.data_parallel_sharding_strategy={strategy}")
+    assert found == pytest.approx(distributed_optimizer_curve, rel=TOLERANCE), (found, distributed_optimizer_curve)
+    assert found[-1] < found[0]
+
+
+def test_torch_fsdp2_follows_plain_ddp():
+    plain = curve(*PLAIN)
+    found = curve(*PLAIN, "dist.use_torch_fsdp2=true")
+    assert found == pytest.approx(plain, rel=TOLERANCE), (found, plain)
+
+
+def test_torch_fsdp2_checkpoint_resumes_under_plain_ddp(tmp_path):
+    """FSDP2 on 2 GPUs saves at 6; plain DDP on 2 GPUs resumes it to 12 with the optimizer state: the curve goes on
+    as FSDP2's uninterrupted one does."""
+    root = tmp_path / "ckpt"
+    whole = curve(*PLAIN, "dist.use_torch_fsdp2=true")
+    result = torchrun(2, *ARGS, *PLAIN, "dist.use_torch_fsdp2=true", f"checkpoint.save={root}", "train.exit_interval=6")
+    assert result.returncode == 0, result.stderr[-3000:]
+    result = torchrun(2, *ARGS, *PLAIN, f"checkpoint.save={root}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "optimizer starts fresh" not in result.stdout
+    assert losses(result.stdout) == pytest.approx(whole[6:], rel=TOLERANCE)
