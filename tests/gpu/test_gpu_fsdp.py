@@ -68,3 +68,15 @@ def test_torch_fsdp2_checkpoint_resumes_under_plain_ddp(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "optimizer starts fresh" not in result.stdout
     assert losses(result.stdout) == pytest.approx(whole[6:], rel=TOLERANCE)
+
+
+def test_torch_fsdp2_checkpoint_under_the_distributed_optimizer_loads_the_weights_and_says_the_moments_start_fresh(
+        tmp_path):
+    root = tmp_path / "ckpt"
+    result = torchrun(2, *ARGS, *PLAIN, "dist.use_torch_fsdp2=true", f"checkpoint.save={root}", "train.exit_interval=6")
+    assert result.returncode == 0, result.stderr[-3000:]
+    result = torchrun(2, *ARGS, *DISTRIBUTED_OPTIMIZER, "model.gradient_accumulation_fusion=false",
+                      "model.share_embeddings_and_output_weights=false", f"checkpoint.save={root}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "holds the state of a plain optimizer" in result.stdout and "optimizer starts fresh" in result.stdout
+    assert len(losses(result.stdout)) == 6  # iterations 7-12
