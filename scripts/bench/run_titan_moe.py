@@ -41,7 +41,7 @@ import os
 import time
 from types import SimpleNamespace
 
-from run_titan import common_arguments, emit, measurements, register_bench_spec, round_or_none, start, train
+from titan_harness import common_arguments, emit, measurements, register_bench_spec, round_or_none, start, train
 
 
 def parse_args(argv=None):

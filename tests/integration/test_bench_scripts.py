@@ -21,7 +21,7 @@ import torch
 from tests.conftest import REPO, bridge, python, run
 
 BENCH = REPO / "scripts" / "bench"
-HELPERS = {"gpu_timing.py"}  # imported by the scripts, not run
+HELPERS = {"gpu_timing.py", "titan_harness.py"}  # imported by the scripts, not run
 GPU_ONLY = {  # each with the arguments of its CPU refusal test
     "adam_step.py": [], "attention_kernels.py": [], "cross_entropy.py": [], "embedding_grad.py": [],
     "fp8_convergence.py": [], "fp8_gemms.py": [], "grouped_wgrad.py": [], "mcore_baseline.py": [],
@@ -146,9 +146,9 @@ def test_titan_moe_counts_bridges_activated_flops(monkeypatch):
 TITAN_PARAMETERS = """
 import sys
 import torch
-import run_titan, run_titan_moe
-run_titan.load_moe_kernels_without_triton()
-run_titan.ensure_datasets_importable()
+import run_titan_moe, titan_harness
+titan_harness.load_moe_kernels_without_triton()
+titan_harness.ensure_datasets_importable()
 from torchtitan.models.qwen3 import Qwen3Model
 with torch.device("meta"):
     model = Qwen3Model(run_titan_moe.model_args(run_titan_moe.parse_args(sys.argv[1:])))
