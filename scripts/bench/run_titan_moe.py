@@ -16,8 +16,9 @@ on q and k), 64 routed experts of FFN 768, top-8, vocab 151936, seq 4096, RoPE b
 8 layers by default (the proxy's size for an 80 GB H100; 16 on an H200). Micro-batch 2, global batch 32, as
 moe_ep.py runs bridge. Under `torchrun --nproc-per-node N` torchtitan shards every weight with FSDP2 over
 the N data-parallel ranks (the experts over N / EP of them) and splits the experts over --ep ranks;
-compiled (torchtitan compiles each block's attention, norms, router and loss, and leaves the experts and
-their token exchange eager, as it does for its users); bf16 through FSDP2's mixed precision (one GPU: autocast).
+compiled as torchtitan compiles MoE blocks for its users (attention, norms, router, token sort and the loss;
+the experts, their token exchange and the MoE layer's gather and scatter stay eager); bf16 through FSDP2's mixed
+precision (weights in bf16, gradients reduced in fp32; one GPU: autocast).
 
 What differs from bridge's moe_proxy (megatron-core), by design of torchtitan 0.2.2:
   * load balancing: torchtitan has no auxiliary loss; its own balancing is the auxiliary-loss-free expert bias
@@ -27,7 +28,7 @@ What differs from bridge's moe_proxy (megatron-core), by design of torchtitan 0.
   * router GEMM in bf16 with the softmax in fp32 (bridge: moe_router_dtype fp32, the GEMM too);
   * FSDP2 (weights, gradients and AdamW states sharded, all-gathers each step) against bridge's distributed
     optimizer (bf16 weights whole on each rank, optimizer state sharded);
-  * torchtitan's cross entropy in fp32 on bf16 logits against bridge's Triton loss; cuDNN/flash SDPA in both.
+  * torchtitan's cross entropy (an fp32 copy of the bf16 logits) against bridge's Triton loss.
 
 Prints one JSON line (rank 0): tokens_per_s_per_gpu (global batch x seq / median step time / GPUs),
 tflops_per_s_per_gpu and mfu_pct by the activated FLOPs of bridge's own formula
