@@ -134,7 +134,7 @@ def titan_shape(recipe: str, overrides: list[str]) -> list[str]:
 
 def titan(script: Path, size: int, flags: list[str], iters: int) -> dict | None:
     """torchtitan's MoE at EP=``size`` on ``size`` GPUs for ``iters`` steps, the first 5 untimed (compilation);
-    prints its row (or why it failed) and returns moe_ep's summary keys, or None."""
+    prints its row (or why it failed) and returns its speed and memory as summary() names them, or None."""
     argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(size), str(script),
             "--ep", str(size), "--warmup", "5", "--steps", str(max(iters - 5, 1)), *flags]
     try:
@@ -145,8 +145,7 @@ def titan(script: Path, size: int, flags: list[str], iters: int) -> dict | None:
     res = json.loads(out.strip().splitlines()[-1])
     return report(f"torchtitan EP={size}", {
         "step_ms": res["step_ms_median"], "tokens": res["tokens_per_s_per_gpu"], "tflops": res["tflops_per_s_per_gpu"],
-        "peak": float("nan") if res["peak_mem_gib"] is None else res["peak_mem_gib"],
-        "losses": {}, "json": res})
+        "peak": float("nan") if res["peak_mem_gib"] is None else res["peak_mem_gib"]})
 
 
 def expert_parallel(size: int, base: list[str], iters: int, tmp: Path) -> dict:
