@@ -47,6 +47,8 @@ class SafetensorsFolder:
         self.folder = Path(folder)
         self._file_of: dict[str, Path] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}
+        self.dtypes: dict[str, str] = {}
+        """Each tensor's dtype as its safetensors header names it (BF16, F32, F8_E4M3, ...)."""
         for file, names in self._listing().items():
             handle = self._open(file)
             present = set(handle.keys())
@@ -55,7 +57,9 @@ class SafetensorsFolder:
                     raise CheckpointError(f"{file}: has no tensor {name}, which {self.folder / INDEX} places "
                                           "there; the download is incomplete or the index is stale.")
                 self._file_of[name] = file
-                self.shapes[name] = tuple(handle.get_slice(name).get_shape())
+                header = handle.get_slice(name)
+                self.shapes[name] = tuple(header.get_shape())
+                self.dtypes[name] = header.get_dtype()
 
     def file_of(self, name: str) -> Path:
         """The file holding tensor ``name``."""

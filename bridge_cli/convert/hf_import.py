@@ -8,7 +8,8 @@ with megatron-core's dist_checkpointing. The output folder is written as ``OUT_D
 and renamed at the end.
 
     OUT_DIR/recipe.yaml                        the base recipe with the model section of config.json and its
-                                               family (checkpoint.export_hf_model_type, export-hf's default)
+                                               family (checkpoint.export_hf_model_type, export-hf's default); its
+                                               header says whether FP8 weights were dequantized (fp8_blocks.py)
     OUT_DIR/latest_checkpointed_iteration.txt  0
     OUT_DIR/iter_0000000/                      torch_dist shards + run_config.yaml
 """
@@ -23,7 +24,7 @@ from typing import Any, Callable, Optional
 import yaml
 
 from bridge_cli.checkpoint.errors import CheckpointError
-from bridge_cli.convert import families, hf_config
+from bridge_cli.convert import families, fp8_blocks, hf_config
 from bridge_cli.convert.hf_files import SafetensorsFolder, check_output_free, staged
 from bridge_cli.models.attention.config_checks import model_blockers
 
@@ -64,20 +65,22 @@ def import_hf(hf_dir: Path, out_dir: Path, load_recipe: Callable[[Path, int], An
     fields = family.model_fields(hf, hf_dir / "config.json", seq_length, tensors=weights.shapes)
     arch = Architecture.of(types.SimpleNamespace(**fields))
     todo = family.pairs(arch)
-    check_tensors(weights, todo, arch, hf_dir, family.model_type)
+    fp8 = check_tensors(weights, todo, arch, hf, hf_dir, family.model_type)
     base = recipes.find(base_recipe, recipes_dirs)
     with staged(out_dir) as staging:
         recipe = staging / RECIPE
         recipe.write_text(recipe_text(base, fields, hf_dir, out_dir, hf["model_type"], tensor_parallel,
-                                      pipeline_parallel))
+                                      pipeline_parallel, fp8))
         cfg = load_recipe(recipe, tensor_parallel * pipeline_parallel)
         _check_derived_model(cfg, fields)
-        parameters, dtypes = _convert(weights, todo, arch, cfg, staging)
+        parameters, dtypes = _convert(weights, todo, arch, cfg, staging, fp8)
     return Imported(out_dir, out_dir / "iter_0000000", out_dir / RECIPE, family.model_type, parameters, dtypes)
 
 
-def check_tensors(weights: SafetensorsFolder, todo: list, arch, hf_dir: Path, model_type: str) -> None:
-    """Every tensor of the pairs ``todo`` is there with its shape, and nothing else is."""
+def check_tensors(weights: SafetensorsFolder, todo: list, arch, hf: dict, hf_dir: Path,
+                  model_type: str) -> Optional[fp8_blocks.Fp8Blocks]:
+    """Every tensor of the pairs ``todo`` is there with its shape, an FP8 one with its block scales (config.json
+    ``hf`` saying how to apply them), and nothing else is; returns the FP8 ones (None: none)."""
     from bridge_cli.convert.hf_weights import ignorable
 
     expected = {name: shape for pair in todo for name, shape in pair.hf}
@@ -91,16 +94,21 @@ def check_tensors(weights: SafetensorsFolder, todo: list, arch, hf_dir: Path, mo
             raise CheckpointError(f"{weights.file_of(name)}: tensor {name} has shape {weights.shapes[name]}; "
                                   f"config.json implies {shape}. The weights and config.json belong to "
                                   "different models.")
-    unknown = [name for name in weights.shapes if name not in expected and not ignorable(name, arch)]
+    fp8 = fp8_blocks.plan(hf, hf_dir / "config.json", weights, expected)
+    scales = set(fp8.scales.values()) if fp8 else set()
+    unknown = [name for name in weights.shapes if name not in expected and name not in scales
+               and not ignorable(name, arch)]
     if unknown:
         more = f" (and {len(unknown) - 3} more)" if len(unknown) > 3 else ""
         raise CheckpointError(f"{hf_dir}: tensors a {model_type} model does not have: {', '.join(unknown[:3])}{more}. "
                               "Its architecture differs from what config.json says; bridge cannot convert it.")
+    return fp8
 
 
 def recipe_text(base, fields: dict, hf_dir: Path, out_dir: Path, model_type: str, tensor_parallel: int,
-                pipeline_parallel: int) -> str:
-    """The base recipe with config.json's model section, starting from the imported weights."""
+                pipeline_parallel: int, fp8: Optional[fp8_blocks.Fp8Blocks] = None) -> str:
+    """The base recipe with config.json's model section, starting from the imported weights (``fp8``: those
+    dequantized from FP8 blocks, which the header records)."""
     recipe = yaml.safe_load(base.path.read_text()) or {}
     model = {**(recipe.get("model") or {}), **fields}
     if tensor_parallel > 1:
@@ -111,6 +119,8 @@ def recipe_text(base, fields: dict, hf_dir: Path, out_dir: Path, model_type: str
         model["pipeline_model_parallel_size"] = pipeline_parallel
     header = (f"# @package _global_\n# {model_type} imported from {hf_dir.resolve()} by `bridge convert-ckpt "
               f"import-hf`; training settings from recipe {base.name}.\n")
+    if fp8:  # the checkpoint holds model.params_dtype weights; export-hf writes them unquantized
+        header += f"# weights: {fp8.note()}, into model.params_dtype.\n"
     blockers = model_blockers(types.SimpleNamespace(**model)) if model.get("fused_single_qkv_rope") else []
     if blockers:  # a speed option of the base recipe that this family's attention cannot take
         model["fused_single_qkv_rope"] = False
@@ -134,8 +144,10 @@ def _check_derived_model(cfg, fields: dict) -> None:
                               "Import with another --recipe (its tokenizer may set the vocabulary size).")
 
 
-def _convert(weights: SafetensorsFolder, todo: list, arch, cfg, staging: Path) -> tuple[int, str]:
-    """Copy every tensor into a fresh model and save it; returns (parameter count, 'from -> to' dtypes)."""
+def _convert(weights: SafetensorsFolder, todo: list, arch, cfg, staging: Path,
+             fp8: Optional[fp8_blocks.Fp8Blocks]) -> tuple[int, str]:
+    """Copy every tensor (``fp8``'s dequantized as read) into a fresh model and save it; returns (parameter count,
+    'from -> to' dtypes)."""
     import torch
 
     from bridge_cli.convert import mcore_io
@@ -151,8 +163,11 @@ def _convert(weights: SafetensorsFolder, todo: list, arch, cfg, staging: Path) -
     source_dtypes = set()
     with torch.no_grad():
         for pair in per_tensor(todo, "importing"):
-            parts = [weights.tensor(name) for name in pair.hf_names]
-            source_dtypes.update(str(part.dtype).removeprefix("torch.") for part in parts)
+            parts = []
+            for name in pair.hf_names:
+                part = weights.tensor(name)
+                source_dtypes.add(str(part.dtype).removeprefix("torch."))
+                parts.append(fp8.dequantized(weights, name, part) if fp8 else part)
             for name, value in zip(pair.mcore_names, to_mcore(pair, parts, arch), strict=True):
                 param = params[name]
                 if value.shape != param.shape:  # copy_ would broadcast; the mapping and the model disagree
@@ -161,4 +176,5 @@ def _convert(weights: SafetensorsFolder, todo: list, arch, cfg, staging: Path) -
                 param.copy_(value)
     mcore_io.save_weights(model, cfg, staging)
     target = str(cfg.model.params_dtype).removeprefix("torch.")
-    return sum(p.numel() for p in params.values()), f"{'/'.join(sorted(source_dtypes))} -> {target}"
+    dtypes = f"{'/'.join(sorted(source_dtypes))} -> {target}"
+    return sum(p.numel() for p in params.values()), dtypes + (f"; {fp8.note()}" if fp8 else "")

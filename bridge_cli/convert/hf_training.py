@@ -45,7 +45,7 @@ from typing import Any, Iterator, Mapping, Optional
 from bridge_cli.checkpoint import layout
 from bridge_cli.checkpoint.errors import CheckpointError
 from bridge_cli.config.errors import ConfigError
-from bridge_cli.convert import families, hf_config
+from bridge_cli.convert import families, fp8_blocks, hf_config
 
 SHAPE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
                 "kv_channels", "vocab_size", "share_embeddings_and_output_weights")
@@ -70,13 +70,16 @@ the families."""
 
 
 def model_fields(hf_dir: str) -> tuple[Any, dict[str, Any]]:
-    """(family, the ``model:`` fields of ``hf_dir``'s config.json), as import-hf maps them."""
+    """(family, the ``model:`` fields of ``hf_dir``'s config.json), as import-hf maps them; quantization settings
+    that import-hf would refuse are refused here, before the run starts."""
     from bridge_cli.convert.hf_files import tensor_names
 
     hf = hf_config.read_config(Path(hf_dir))
     where = Path(hf_dir) / "config.json"
     family = families.for_import(hf, where)
-    return family, family.model_fields(hf, where, tensors=tensor_names(Path(hf_dir)))
+    fields = family.model_fields(hf, where, tensors=tensor_names(Path(hf_dir)))
+    fp8_blocks.check_config(hf, where)
+    return family, fields
 
 
 def model_overrides(hf_dir: str) -> list[str]:
@@ -144,8 +147,9 @@ def converted_for_loading(ckpt_cfg, local_rank: int, base_needed: bool = False) 
 
 def _import(hf_dir: str, out: Path) -> int:
     """Run ``bridge convert-ckpt import-hf HF_DIR OUT`` in a world of one on the CPU; its exit code."""
-    print(f"checkpoint: converting the Hugging Face folder {hf_dir} for this run (bridge convert-ckpt import-hf)",
-          flush=True)
+    quantized = fp8_blocks.KEY in hf_config.read_config(Path(hf_dir))
+    print(f"checkpoint: converting the Hugging Face folder {hf_dir} for this run (bridge convert-ckpt import-hf"
+          f"{'; its FP8 weights dequantized from their 128x128 block scales' if quantized else ''})", flush=True)
     return _convert_in_child("import-hf", str(hf_dir), str(out), quiet=True)
 
 
