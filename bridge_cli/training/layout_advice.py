@@ -12,8 +12,8 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from bridge_cli.training.memory_estimate import (GIB, MemoryEstimate, RunShape, estimate, fsdp_shards, shape_of,
-                                                 with_changes)
+from bridge_cli.training.memory_estimate import (DISTILL_LOGIT_BYTES, GIB, MemoryEstimate, RunShape, estimate,
+                                                 fsdp_shards, shape_of, with_changes)
 
 ACCURACY = 0.10
 """How far the estimate may be from the measured peak (the largest deviation in docs/parallelism.md's table)."""
@@ -48,11 +48,12 @@ class Advice:
                                                                                                   "no recompute")
         flight = e.micro_batches_in_flight
         rows = [
-            ("weights", e.weights, f"{_count(e.parameters)} parameters in {s.param_dtype}" + _fsdp(s, 0)),
+            ("weights", e.weights,
+             f"{_count(e.parameters)} parameters in {s.param_dtype}" + _fsdp(s, 0) + _frozen(s, e)),
             ("gradients", e.gradients, f"{s.grad_dtype} buffer" + (", adapters only" if s.lora else "") + _fsdp(s, 1)),
             ("optimizer_state", e.optimizer_state, _optimizer(s)),
             ("activations", e.activations, f"{e.layers} layers x {flight:g} micro-batch{'es' * (flight != 1)} "
-                                           f"of {s.micro_batch} in flight, {recompute}"),
+                                           f"of {s.micro_batch}{_rows(s)} in flight, {recompute}"),
             ("logits", e.logits, _logits(s) if e.logits else "not on this stage"),
             ("cuda_context_and_nccl", e.allowance, "fixed allowance"),
             ("total", e.total, None),
@@ -160,7 +161,8 @@ def _kinds(s: RunShape) -> list[list[tuple[str, RunShape]]]:
     tensor = [_layout(s, f"model.tensor_model_parallel_size={t}", tp=t) for t in _doublings(s.tp, 8)
               if not (s.heads % t or s.groups % t or s.ffn % t) and (not s.experts or s.sp)]
     pipeline = [_layout(s, f"model.pipeline_model_parallel_size={p}", pp=p) for p in _doublings(s.pp, s.layers)
-                if not s.layers % (p * s.vpp) and not (s.first_stage_layers or s.last_stage_layers) and not s.fsdp]
+                if not s.layers % (p * s.vpp) and not (s.first_stage_layers or s.last_stage_layers) and not s.fsdp
+                and s.objective == "sft"]  # DPO and distillation refuse pipeline parallelism
     expert = [_layout(s, f"model.expert_model_parallel_size={e}", ep=e) for e in _doublings(s.ep, s.experts)
               if not s.experts % e]
     return [sharding, micro, recompute] + [[c for c in kind if c] for kind in (tensor, pipeline, expert)]
@@ -220,8 +222,26 @@ def _count(n: float) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
 
 
+def _frozen(s: RunShape, e: MemoryEstimate) -> str:
+    if s.reference_copy:
+        return f", and the DPO reference's frozen copy ({_count(e.frozen_parameters)})"
+    if s.objective != "distill":
+        return ""
+    if s.teacher is None:
+        return ", the teacher not counted: distill.teacher_checkpoint is unset"
+    teacher = dict(s.teacher)
+    return f", and the teacher's {_count(e.frozen_parameters)} ({teacher['layers']} layers, hidden {teacher['hidden']})"
+
+
+def _rows(s: RunShape) -> str:
+    return f" pair{'s' * (s.micro_batch != 1)} ({s.row_batch} rows)" if s.rows > 1 else ""
+
+
 def _logits(s: RunShape) -> str:
-    entries = f"{s.seq * s.micro_batch // s.cp} tokens x {s.padded_vocab // s.tp} entries"
+    entries = f"{s.seq * s.row_batch // s.cp} tokens x {s.padded_vocab // s.tp} entries"
+    if s.objective == "distill":
+        return (f"{entries}: the teacher's and the model's fp32 logits and the KL's softmaxes, "
+                f"{DISTILL_LOGIT_BYTES} bytes an entry")
     return {"chunked": f"fp32 logits of {min(s.loss_chunk, s.seq * s.micro_batch // s.cp)} tokens at a time "
                        "(fused linear cross entropy)",
             "triton": f"{entries} in {s.act_dtype} (Triton cross entropy, gradient in place)",

@@ -16,6 +16,13 @@ The estimate adds, for the pipeline stage that holds the most:
   sequence, recompute keeping only what its settings keep, times the micro-batches 1F1B holds in flight on
   the stage (PP on the first, more with virtual stages), plus one layer's backward working set;
 - the logits of one micro-batch, in the dtype the loss keeps (sharded over TP);
+- DPO (``finetune.objective=dpo``): an unpacked pair's two rows in every activation and logit count, and without
+  ``peft`` the reference's frozen copy of the weights (under LoRA the reference is the base with its adapters off);
+- distillation: the teacher's weights at its own shape (read from ``distill.teacher_checkpoint``), its logits in
+  fp32, kept through the model's forward and backward, and the KL's softmaxes (:data:`DISTILL_LOGIT_BYTES`);
+- the reference's or teacher's forward pass (no gradients), which runs before the model's on each micro-batch:
+  one layer's working set and its logits at a time, with nothing of the model's activations; the peak is the
+  larger of that and the model's pass;
 - a fixed allowance for what torch's allocator does not count (the CUDA context, NCCL's buffers).
 
 What it leaves out: FP8 (estimated as bf16, an upper bound), activation offloading, router imbalance under
@@ -28,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 GIB = 1024 ** 3
 CONTEXT_BYTES = 2 * GIB
@@ -36,6 +43,12 @@ CONTEXT_BYTES = 2 * GIB
 NCCL_BYTES = 1 * GIB
 """NCCL communicators' buffers, added when the run has more than one GPU."""
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+DISTILL_LOGIT_BYTES = 32
+"""Bytes per token per vocabulary entry at distillation's loss, its peak: the teacher's fp32 logits, the model's fp32
+logits and the KL's fp32 log-softmaxes and softmaxes of both (measured: 28 bytes on top of the teacher's 4, the
+same with and without distill.ce_weight)."""
+FROZEN_OUTPUT_BYTES = 8
+"""Bytes per entry of a teacher's output as it is made: the bf16 logits, their [b, s] copy and the fp32 copy."""
 
 
 @dataclass(frozen=True)
@@ -101,6 +114,14 @@ class RunShape:
     mtp: int
     fsdp: Optional[str] = None
     """torch_fsdp2, a Megatron-FSDP sharding strategy (no_shard, optim, optim_grads, optim_grads_params), or None."""
+    objective: str = "sft"
+    """finetune.objective: sft, dpo or distill."""
+    rows: int = 1
+    """Rows of seq tokens one sample runs: 2 for DPO's unpacked pair (chosen and rejected)."""
+    reference_copy: bool = False
+    """DPO without peft: the reference is a frozen copy of the weights."""
+    teacher: Optional[tuple[tuple[str, Any], ...]] = None
+    """Distillation: the teacher's shape fields (:func:`model_dims`), run in the model's layout; None when unknown."""
 
     @property
     def param_bytes(self) -> int:
@@ -117,6 +138,11 @@ class RunShape:
     @property
     def dp(self) -> int:
         return self.world // (self.tp * self.pp * self.cp)
+
+    @property
+    def row_batch(self) -> int:
+        """Rows of seq tokens a micro-batch runs."""
+        return self.micro_batch * self.rows
 
     @property
     def num_microbatches(self) -> int:
@@ -146,6 +172,8 @@ class MemoryEstimate:
     micro_batches_in_flight: float
     layers: int
     """Transformer layers on this rank."""
+    frozen_parameters: float = 0.0
+    """Parameters of DPO's frozen reference copy or of the distillation teacher on this rank (in weights)."""
 
     @property
     def total(self) -> float:
@@ -166,7 +194,6 @@ def shape_of(cfg, world_size: int) -> RunShape:
     """The numbers of ``cfg`` the estimate reads, for ``world_size`` GPUs."""
     import torch
 
-    from bridge_cli.models.moe_checks import device_dispatch_blocker
     from bridge_cli.models.specs import default_spec_name
 
     m, opt, train = cfg.model, cfg.optimizer, cfg.train
@@ -178,9 +205,6 @@ def shape_of(cfg, world_size: int) -> RunShape:
     def size(dtype) -> int:
         return BYTES[name.get(dtype, "fp32")]
 
-    freq = m.moe_layer_freq
-    pattern = (tuple(bool(f) for f in freq) if isinstance(freq, list)
-               else tuple(i % freq == 0 for i in range(m.num_layers)))
     spec = m.spec or default_spec_name()
     precision_aware = opt.use_precision_aware_optimizer
     if m.fused_linear_cross_entropy:
@@ -193,22 +217,12 @@ def shape_of(cfg, world_size: int) -> RunShape:
     fsdp = ("torch_fsdp2" if cfg.dist.use_torch_fsdp2 else
             cfg.ddp.data_parallel_sharding_strategy if cfg.ddp.use_megatron_fsdp else None)
     return RunShape(
-        layers=m.num_layers, hidden=m.hidden_size, ffn=m.ffn_hidden_size or 4 * m.hidden_size,
-        heads=m.num_attention_heads, groups=m.num_query_groups or m.num_attention_heads,
-        head_dim=m.kv_channels or m.hidden_size // m.num_attention_heads,
+        **model_dims(m),
         vocab=derived.vocab_size if derived else m.vocab_size, vocab_divisor=m.make_vocab_size_divisible_by,
         seq=m.seq_length, micro_batch=train.micro_batch_size,
         global_batch=(derived.global_batch_size if derived else train.global_batch_size) or train.micro_batch_size * dp,
-        world=world_size, gated=m.gated_linear_unit, biases=m.add_bias_linear, layernorm=m.normalization == "LayerNorm",
-        qk_norm=m.qk_layernorm, learned_positions=m.position_embedding_type == "learned_absolute",
-        tied=m.share_embeddings_and_output_weights,
-        mla=((m.q_lora_rank, m.kv_lora_rank, m.qk_head_dim, m.qk_pos_emb_head_dim, m.v_head_dim)
-             if m.multi_latent_attention else None),
-        experts=m.num_moe_experts or 0, topk=m.moe_router_topk, expert_ffn=m.moe_ffn_hidden_size or m.ffn_hidden_size,
-        shared_ffn=m.moe_shared_expert_intermediate_size or 0,
-        moe_pattern=pattern if m.num_moe_experts else (False,) * m.num_layers,
-        device_dispatch=bool(m.num_moe_experts) and device_dispatch_blocker(m) is None,
-        tp=tp, pp=pp, vpp=m.virtual_pipeline_model_parallel_size or 1, cp=cp, ep=m.expert_model_parallel_size,
+        world=world_size, tp=tp, pp=pp, vpp=m.virtual_pipeline_model_parallel_size or 1, cp=cp,
+        ep=m.expert_model_parallel_size,
         etp=m.expert_tensor_parallel_size or tp, sp=m.sequence_parallel,
         first_stage_layers=m.num_layers_in_first_pipeline_stage, last_stage_layers=m.num_layers_in_last_pipeline_stage,
         param_dtype=name.get(m.params_dtype, "fp32"), act_dtype="bf16" if m.bf16 else "fp16" if m.fp16 else "fp32",
@@ -227,8 +241,45 @@ def shape_of(cfg, world_size: int) -> RunShape:
         attention_dropout=m.attention_dropout > 0, hidden_dropout=m.hidden_dropout > 0,
         loss=loss, loss_chunk=m.linear_cross_entropy_chunk,
         lora=(lora.dim, tuple(lora.target_modules)) if lora is not None else None, mtp=m.mtp_num_layers or 0,
-        fsdp=fsdp,
+        fsdp=fsdp, **_objective(cfg),
     )
+
+
+def model_dims(m) -> dict[str, Any]:
+    """The RunShape fields of a model's shape (a ``model`` section or GPTModelProvider): the model's or a teacher's."""
+    from bridge_cli.models.moe_checks import device_dispatch_blocker
+
+    freq = m.moe_layer_freq
+    pattern = (tuple(bool(f) for f in freq) if isinstance(freq, list)
+               else tuple(i % freq == 0 for i in range(m.num_layers)))
+    return dict(
+        layers=m.num_layers, hidden=m.hidden_size, ffn=m.ffn_hidden_size or 4 * m.hidden_size,
+        heads=m.num_attention_heads, groups=m.num_query_groups or m.num_attention_heads,
+        head_dim=m.kv_channels or m.hidden_size // m.num_attention_heads,
+        gated=m.gated_linear_unit, biases=m.add_bias_linear, layernorm=m.normalization == "LayerNorm",
+        qk_norm=m.qk_layernorm, learned_positions=m.position_embedding_type == "learned_absolute",
+        tied=m.share_embeddings_and_output_weights,
+        mla=((m.q_lora_rank, m.kv_lora_rank, m.qk_head_dim, m.qk_pos_emb_head_dim, m.v_head_dim)
+             if m.multi_latent_attention else None),
+        experts=m.num_moe_experts or 0, topk=m.moe_router_topk, expert_ffn=m.moe_ffn_hidden_size or m.ffn_hidden_size,
+        shared_ffn=m.moe_shared_expert_intermediate_size or 0,
+        moe_pattern=pattern if m.num_moe_experts else (False,) * m.num_layers,
+        device_dispatch=bool(m.num_moe_experts) and device_dispatch_blocker(m) is None)
+
+
+def _objective(cfg) -> dict[str, Any]:
+    """What DPO and distillation add: DPO's rows and reference copy, the teacher's shape (read from
+    ``distill.teacher_checkpoint``, whose errors name it; unset, the teacher is not counted)."""
+    from bridge_cli.data.preference import rows_per_sample
+
+    objective = cfg.finetune.objective
+    teacher = None
+    if objective == "distill" and cfg.distill.teacher_checkpoint is not None:
+        from bridge_cli.training.distill_step import check_teacher, teacher_config
+
+        teacher = tuple(model_dims(teacher_config(cfg, check_teacher(cfg))).items())
+    return dict(objective=objective, rows=rows_per_sample(cfg), teacher=teacher,
+                reference_copy=objective == "dpo" and cfg.peft is None)
 
 
 def estimate(s: RunShape) -> MemoryEstimate:
@@ -286,7 +337,7 @@ def _lora_params(s: RunShape, layers: int) -> float:
 def _layer_parts(s: RunShape, moe: bool) -> dict[str, float]:
     """Bytes one layer keeps for its backward, per micro-batch, by what recompute can drop."""
     a, h = s.act_bytes, s.hidden
-    tokens = s.seq * s.micro_batch / s.cp
+    tokens = s.seq * s.row_batch / s.cp
     full = tokens / (s.tp if s.sp else 1)  # what TP without SP replicates
     shard = tokens / s.tp
     parts = {"norm_in": 2 * a * h * full, "norm_out": 2 * a * h * full}
@@ -301,7 +352,7 @@ def _layer_parts(s: RunShape, moe: bool) -> dict[str, float]:
     if s.qk_norm:
         parts["qk_norm"] = a * s.head_dim * (s.heads + s.groups) * shard
     parts["attn_out"] = a * out * shard
-    if s.torch_sdpa and s.micro_batch > 1:
+    if s.torch_sdpa and s.row_batch > 1:
         # SDPA keeps its output as [b, s, heads, d] for its backward; the projection gets an [s, b, ...] copy
         parts["core_attn"] = a * out * shard
     if not s.flash:  # megatron-core's unfused attention keeps the seq x seq probabilities (and dropout mask)
@@ -339,7 +390,7 @@ def _saved(s: RunShape, moe: bool) -> float:
 def _layer_input(s: RunShape) -> float:
     """A recomputed layer's (or chunk's) kept input."""
     split = s.tp if s.sp or s.distribute_saved else 1
-    return s.act_bytes * s.hidden * s.seq * s.micro_batch / s.cp / split
+    return s.act_bytes * s.hidden * s.seq * s.row_batch / s.cp / split
 
 
 def _stage_layers(s: RunShape, rank: int) -> list[int]:
@@ -386,8 +437,10 @@ def _activations(s: RunShape, layers: list[int], in_flight: float) -> tuple[floa
 
 
 def _logits(s: RunShape) -> float:
-    tokens = s.seq * s.micro_batch / s.cp
+    tokens = s.seq * s.row_batch / s.cp
     vocab = s.padded_vocab / s.tp
+    if s.objective == "distill":  # the model returns its logits to the KL, whatever the loss fusion
+        return DISTILL_LOGIT_BYTES * tokens * vocab
     if s.loss == "chunked":
         return 4 * min(s.loss_chunk, tokens) * vocab
     per_entry = {"triton": s.act_bytes, "half": 2 * s.act_bytes, "fp32": 4 + s.act_bytes}[s.loss]
@@ -432,7 +485,7 @@ def _stage(s: RunShape, rank: int) -> MemoryEstimate:
     saved, backward = _activations(s, layers, _in_flight(s, rank))
     logits = 0.0
     if last:  # the final norm's input and output, each MTP layer's, and the logits while the loss runs
-        head = 2 * s.act_bytes * s.hidden * s.seq * s.micro_batch / s.cp / (s.tp if s.sp else 1)
+        head = 2 * s.act_bytes * s.hidden * s.seq * s.row_batch / s.cp / (s.tp if s.sp else 1)
         saved += head + s.mtp * (sum(_layer_parts(s, s.moe_pattern[-1]).values()) + head)
         logits = _logits(s) * (1 + s.mtp)
     # the logits are spent before the layers' backward starts: the peak holds the larger of the two
@@ -441,13 +494,34 @@ def _stage(s: RunShape, rank: int) -> MemoryEstimate:
     unit = max((sum(_layer_params(s, s.moe_pattern[i])) for i in layers), default=0.0)
     gathered = 2 * unit if weight_shard > 1 else 0.0
     gathered_grads = unit if grad_shard > 1 else 0.0
+    weights = s.param_bytes * (params / weight_shard + gathered)
+    frozen_params, frozen_weights, frozen_pass = _frozen_model(s, rank, layers, params, weights)
+    # the reference's or teacher's forward runs before the model's, holding none of the model's activations
+    activations = max(activations, frozen_pass - logits)
     return MemoryEstimate(
-        weights=s.param_bytes * (params / weight_shard + gathered),
+        weights=weights + frozen_weights,
         gradients=s.grad_bytes * ((trainable_dense + trainable_expert) / grad_shard + gathered_grads),
         optimizer_state=(main + moments * trainable) * kept, main_weights=main * kept,
         activations=activations, logits=logits,
         allowance=CONTEXT_BYTES + (NCCL_BYTES if s.world > 1 else 0), stage=rank, parameters=params,
-        micro_batches_in_flight=_in_flight(s, rank), layers=len(layers))
+        micro_batches_in_flight=_in_flight(s, rank), layers=len(layers), frozen_parameters=frozen_params)
+
+
+def _frozen_model(s: RunShape, rank: int, layers: list[int], params: float,
+                  weights: float) -> tuple[float, float, float]:
+    """(parameters, weight bytes, peak bytes of its forward pass) of DPO's reference or the distillation teacher:
+    the pass holds one layer's working set at a time (no gradients) and its output."""
+    if s.objective == "dpo":  # the reference scores the policy's rows through the same loss path
+        working = max((sum(_layer_parts(s, s.moe_pattern[i]).values()) for i in layers), default=0.0)
+        forward = working + _logits(s)
+        return (params, weights, forward) if s.reference_copy else (0.0, 0.0, forward)
+    if s.teacher is None:
+        return 0.0, 0.0, 0.0
+    t = with_changes(s, **dict(s.teacher), objective="sft", rows=1, teacher=None, lora=None, fsdp=None, mtp=0)
+    working = max(sum(_layer_parts(t, t.moe_pattern[i]).values()) for i in range(t.layers))
+    entries = t.seq * t.micro_batch / t.cp * t.padded_vocab / t.tp
+    teacher = _stage(t, rank)
+    return teacher.parameters, teacher.weights, working + FROZEN_OUTPUT_BYTES * entries
 
 
 def fsdp_shards(s: RunShape) -> tuple[float, float, float]:
