@@ -37,8 +37,8 @@ class StragglerSummary:
         """The summary of ``report`` (an nvidia_resiliency_ext straggler.Report gathered on rank 0)."""
         found = report.identify_stragglers(gpu_rel_threshold=cfg.gpu_relative_perf_threshold,
                                            gpu_indiv_threshold=cfg.gpu_individual_perf_threshold)
-        summary = cls(relative=dict(report.gpu_relative_perf_scores), individual=dict(report.gpu_individual_perf_scores),
-                      nodes=dict(report.rank_to_node))
+        summary = cls(relative=dict(report.gpu_relative_perf_scores),
+                      individual=dict(report.gpu_individual_perf_scores), nodes=dict(report.rank_to_node))
         for kind, scores, threshold in (("relative", summary.relative, cfg.gpu_relative_perf_threshold),
                                         ("individual", summary.individual, cfg.gpu_individual_perf_threshold)):
             for straggler in found[f"straggler_gpus_{kind}"]:

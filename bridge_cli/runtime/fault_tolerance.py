@@ -5,8 +5,9 @@ it enters and leaves three sections: ``setup`` (start-up, checkpoint load and th
 up), ``step`` (each later training step and each evaluation batch) and ``checkpointing`` (each save). A
 section open longer than its timeout, or time outside every section longer than the out-of-section timeout,
 is a hang: the monitor kills the rank and the launcher restarts every worker (``--max-restarts``), which
-resume from the last checkpoint. A killed rank is seen by the launcher directly. Monitoring ends with the
-last training step: the final evaluation and a Hugging Face export are not watched.
+resume from the last checkpoint. A killed rank is seen by the launcher directly. The rank also sends a
+heartbeat as each section ends, for the launcher's heartbeat timeouts, which bridge leaves as they are.
+Monitoring ends with the last training step: the final evaluation and a Hugging Face export are not watched.
 
 With ``ft.calc_ft_timeouts`` the section timeouts are computed from the run's own timings (the longest time
 seen on any rank, times ft_launcher's safety factor), once per start: ``step`` once 16 steps were timed,
@@ -97,8 +98,9 @@ class FaultTolerance(FaultToleranceOff):
         if missing:
             self.client.shutdown_workload_monitoring()
             raise RuntimeUnavailable(
-                f"ft.enable_ft_package=true: ft_launcher was started without bridge's section{'s' * (len(missing) > 1)} "
-                f"{', '.join(missing)}. Start it with {LAUNCHER_SECTIONS} (seconds; docs/resilience.md).")
+                f"ft.enable_ft_package=true: ft_launcher was started without bridge's "
+                f"section{'s' * (len(missing) > 1)} {', '.join(missing)}. Start it with {LAUNCHER_SECTIONS} "
+                "(seconds; docs/resilience.md).")
 
     def describe_timeouts(self) -> str:
         """The timeouts in force, e.g. 'setup 600 s, step 1.52 s (computed), ..., out of section 300 s'."""
@@ -120,6 +122,9 @@ class FaultTolerance(FaultToleranceOff):
         if name in self.open:
             self.client.end_section(name)
             self.open.discard(name)
+            # ft_launcher also watches heartbeats (its --ft-*-heartbeat-timeout, 60 and 45 min by default): one
+            # at each section's end keeps a healthy rank from being killed by them
+            self.client.send_heartbeat()
 
     def checkpoint_loaded(self) -> None:
         self.loaded = True

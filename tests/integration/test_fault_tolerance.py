@@ -20,7 +20,7 @@ from tests.conftest import REPO, bridge, run_env, torchrun
 from tests.integration.test_checkpoint_resume import LOSS, losses
 
 pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(resilience_missing(), reason="needs nvidia-resiliency-ext (pip install nvidia-resiliency-ext)")]
+              pytest.mark.skipif(resilience_missing(), reason="needs nvidia-resiliency-ext")]
 
 ITERS = 100
 ARGS = ["recipe=tiny", f"train.train_iters={ITERS}", "logger.log_interval=1", "train.eval_iters=0",
@@ -42,8 +42,8 @@ FAULT = ["ft.simulate_fault=true", "ft.simulated_fault_base_delay=5"]
 FT = ["ft.enable_ft_package=true", "ft.calc_ft_timeouts=true"]
 
 FAULT_LINE = re.compile(r"simulated fault \((\w+)\): rank (\d) .* at ([0-9.]+), ")
-TIMEOUTS = re.compile(r"fault tolerance: timeouts (?:computed \(.*?\), kept in|from) \S+ft_state\.json: .*?step (\S+) s "
-                      r"\(computed\), checkpointing (\S+) s \(computed\)")
+TIMEOUTS = re.compile(r"fault tolerance: timeouts (?:computed \(.*?\), kept in|from) \S+ft_state\.json: "
+                      r".*?step (\S+) s \(computed\), checkpointing (\S+) s \(computed\)")
 HANG = re.compile(r"\[RankMonServer(\d+)@.*?\] (?:Section '(\w+)' has been open|Was (out of section)) for ([0-9.]+) "
                   r"seconds\. Timeout is ([0-9.]+) seconds\.")
 RESUMED = re.compile(r"resuming at iteration (\d+)")
@@ -151,8 +151,20 @@ def test_the_slurm_template_restarts_both_nodes_after_a_fault(tmp_path):
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-5000:]
     assert len(FAULT_LINE.findall(out)) == 1 and "data-parallel groups: [0,1]" in out, out[-5000:]
+    assert len(re.findall(r"has joined round 1 of the rendezvous", out)) == 2, out[-3000:]  # both nodes restarted
     printed = LOSS.findall(out)
-    assert max(int(i) for i, _ in printed) == 60 and len(printed) > 60, out[-3000:]  # some iterations ran twice
-    again = {}
+    assert max(int(i) for i, _ in printed) == 60, out[-3000:]
+    again = {}  # iterations run before the fault and again after the restart
     for i, loss in printed:
         assert again.setdefault(i, loss) == loss, (i, loss, again[i])  # and printed the same loss
+
+
+def test_a_launcher_without_bridge_sections_is_told_the_flags(tmp_path):
+    launcher = [arg for arg in LAUNCHER if not arg.startswith(("--ft-rank-section", "--max-restarts"))]
+    result = subprocess.run([*launcher, "-m", "bridge_cli", "pretrain", *ARGS, f"checkpoint.save={tmp_path / 'ckpt'}",
+                             *FT], cwd=REPO, env=run_env({"OMP_NUM_THREADS": "1"}), capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode != 0
+    assert ("error: ft.enable_ft_package=true: ft_launcher was started without bridge's sections setup, step, "
+            "checkpointing. Start it with --ft-rank-section-timeouts=setup:600,step:180,checkpointing:420") \
+        in result.stdout + result.stderr, result.stderr[-3000:]

@@ -34,10 +34,10 @@ def test_straggler_detection_on_the_cpu_is_refused_naming_the_field(cli):
     assert "nvrx_straggler.enabled=true needs CUDA" in result.stderr and "nvrx_straggler.enabled=false" in result.stderr
 
 
-@pytest.mark.parametrize("override, key", [("ft.simulate_fault=true", "ft.simulate_fault"),
-                                           ("ft.calc_ft_timeouts=true", "ft.calc_ft_timeouts"),
-                                           ("nvrx_straggler.stop_if_detected=true", "nvrx_straggler.stop_if_detected"),
-                                           ("nvrx_straggler.report_time_interval=5", "nvrx_straggler.report_time_interval")])
+@pytest.mark.parametrize("override, key", [
+    ("ft.simulate_fault=true", "ft.simulate_fault"), ("ft.calc_ft_timeouts=true", "ft.calc_ft_timeouts"),
+    ("nvrx_straggler.stop_if_detected=true", "nvrx_straggler.stop_if_detected"),
+    ("nvrx_straggler.report_time_interval=5", "nvrx_straggler.report_time_interval")])
 def test_a_field_of_a_section_left_off_is_refused(cli, override, key):
     result = cli("pretrain", "recipe=tiny", override, "--dry-run")
     assert result.exit_code == 2 and f"error: {key}: has no effect without" in result.stderr, result.output
