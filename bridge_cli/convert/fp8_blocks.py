@@ -59,10 +59,12 @@ class Fp8Blocks:
         return (f"{len(self.scales)} FP8 (e4m3) tensors dequantized from {rows}x{cols} blocks with their "
                 f"weight_scale_inv (config.json's {KEY})")
 
-    def dequantized(self, weights, name: str, tensor):
-        """``tensor``, read as ``name`` from the SafetensorsFolder ``weights``: in fp32 with its block scales applied
-        if it is one of the quantized ones, else as it is."""
-        return dequantize(tensor, weights.tensor(self.scales[name]), self.block) if name in self.scales else tensor
+    def dequantized(self, weights, name: str, tensor, dtype):
+        """``tensor``, read as ``name`` from the SafetensorsFolder ``weights``: with its block scales applied, in
+        ``dtype`` (the model's), if it is one of the quantized ones, else as it is."""
+        if name not in self.scales:
+            return tensor
+        return dequantize(tensor, weights.tensor(self.scales[name]), self.block).to(dtype)
 
 
 def check_config(hf: Mapping[str, Any], where: Path) -> Optional[tuple[int, int]]:

@@ -160,14 +160,15 @@ def _convert(weights: SafetensorsFolder, todo: list, arch, cfg, staging: Path,
     differ = set(params) ^ {name for pair in todo for name in pair.mcore_names}
     if differ:  # megatron-core's layer spec names its modules differently from hf_weights: a bug
         raise RuntimeError(f"megatron-core parameters and the Hugging Face mapping differ: {sorted(differ)}")
-    source_dtypes = set()
+    source_dtypes, dtype = set(), cfg.model.params_dtype
     with torch.no_grad():
         for pair in per_tensor(todo, "importing"):
             parts = []
             for name in pair.hf_names:
                 part = weights.tensor(name)
                 source_dtypes.add(str(part.dtype).removeprefix("torch."))
-                parts.append(fp8.dequantized(weights, name, part) if fp8 else part)
+                # in the model's dtype at once: to_mcore rearranges (fused projections, copies), it does no arithmetic
+                parts.append(fp8.dequantized(weights, name, part, dtype) if fp8 else part)
             for name, value in zip(pair.mcore_names, to_mcore(pair, parts, arch), strict=True):
                 param = params[name]
                 if value.shape != param.shape:  # copy_ would broadcast; the mapping and the model disagree
@@ -175,6 +176,6 @@ def _convert(weights: SafetensorsFolder, todo: list, arch, cfg, staging: Path,
                                        f"{tuple(param.shape)}")
                 param.copy_(value)
     mcore_io.save_weights(model, cfg, staging)
-    target = str(cfg.model.params_dtype).removeprefix("torch.")
+    target = str(dtype).removeprefix("torch.")
     dtypes = f"{'/'.join(sorted(source_dtypes))} -> {target}"
     return sum(p.numel() for p in params.values()), dtypes + (f"; {fp8.note()}" if fp8 else "")
