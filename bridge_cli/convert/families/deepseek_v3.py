@@ -58,7 +58,8 @@ class DeepseekV3(MoELike):
     architecture = "DeepseekV3ForCausalLM"
     models = ("DeepSeek-V3, Kimi K2, Moonlight: multi-latent attention (q_lora_rank set or null, YaRN with "
               "mscale/mscale_all_dim), dense first layers, MoE layers with the sigmoid group-limited router, "
-              "expert bias and shared experts; the Hub's multi-token-prediction layers as megatron-core's MTP block")
+              "expert bias and shared experts; the Hub's multi-token-prediction layers as megatron-core's MTP block; "
+              "its FP8 release (e4m3 weights, 128x128 block scales) dequantized")
     limits = ("refuses attention_bias, rope_interleave false, RoPE scalings other than yarn, norm_topk_prob false "
               "(megatron-core renormalises sigmoid scores), num_experts_per_tok / topk_group other than 2 with "
               "n_group above 1, multi-token-prediction layers whose embed_tokens or shared_head.head differ from the "

@@ -17,7 +17,8 @@ class Qwen3(LlamaLike):
 
     model_type = "qwen3"
     architecture = "Qwen3ForCausalLM"
-    models = "Qwen3 (dense, 0.6B-32B); per-head q/k RMSNorm, explicit head_dim, sliding-window layers"
+    models = ("Qwen3 (dense, 0.6B-32B; the -FP8 releases dequantized); per-head q/k RMSNorm, explicit head_dim, "
+              "sliding-window layers")
     limits = "refuses attention_bias and RoPE scalings other than llama3 and yarn"
     mapped_keys = Qwen2.mapped_keys
     assumed = {"attention_bias": False}
