@@ -4,7 +4,8 @@ from such a folder, dequantize them (bridge_cli/convert/fp8_blocks.py).
 A tiny random fp32 DeepSeek-V3 and Qwen3 are saved with transformers, then their linear weights quantized here as
 the releases are: per 128x128 block, scale = amax / 448, q = (w / scale) in float8_e4m3fn, weight_scale_inv = scale,
 and quantization_config added to config.json. The DeepSeek-V3 has sizes that are no multiple of 128 (144, 160, 288:
-blocks cut short at the edges), the Qwen3 sizes of 128 or multiples of it. The imported models must compute what
+blocks cut short at the edges) and is saved in two shards with an index, as released (layer 1's scales in the other
+shard than its weights); the Qwen3 has sizes of 128 or multiples of it. The imported models must compute what
 transformers computes with the dequantized weights (each weight set to q * scale_inv, block by block, by this file),
 and the Qwen3 what transformers' own FP8 loader (FineGrainedFP8Config(dequantize=True)) computes.
 """
@@ -63,6 +64,18 @@ def dequantized(fp8: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
     return weight
 
 
+def save_sharded(tensors: dict[str, torch.Tensor], folder: Path, first) -> None:
+    """``tensors`` as two safetensors files and their index, in place of ``folder``'s model.safetensors; ``first(key)``
+    says which file a tensor goes to."""
+    (folder / "model.safetensors").unlink()
+    files = {True: "model-00001-of-00002.safetensors", False: "model-00002-of-00002.safetensors"}
+    weight_map = {key: files[bool(first(key))] for key in tensors}
+    for file in files.values():
+        save_file({key: value for key, value in tensors.items() if weight_map[key] == file}, folder / file,
+                  metadata={"format": "pt"})
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
 def logits_of(folder: Path, tokens: torch.Tensor, **options) -> torch.Tensor:
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **options)
     with torch.no_grad():
@@ -107,6 +120,8 @@ def folders(work) -> dict[str, dict[str, Path]]:
         for kind, contents in (("fp8", fp8), ("dequantized", plain)):
             shutil.copytree(paths["original"], paths[kind])
             save_file(contents, paths[kind] / "model.safetensors", metadata={"format": "pt"})
+        if name == "deepseek_v3":  # in shards, as released, the scales of layer 1 in the other shard than its weights
+            save_sharded(fp8, paths["fp8"], lambda key: key.startswith("model.layers.1.") != key.endswith("_scale_inv"))
         config = json.loads((paths["original"] / "config.json").read_text())
         (paths["fp8"] / "config.json").write_text(json.dumps({**config, "quantization_config": FP8_CONFIG}))
         out[name] = paths
@@ -119,7 +134,8 @@ def imported(work, folders) -> dict[str, Path]:
     for name, paths in folders.items():
         out[name] = work / f"mcore_{name}"
         result = ok(bridge("convert-ckpt", "import-hf", str(paths["fp8"]), str(out[name])))
-        count = sum(1 for key in load_file(paths["fp8"] / "model.safetensors") if key.endswith("_scale_inv"))
+        count = sum(1 for file in paths["fp8"].glob("*.safetensors") for key in load_file(file)
+                    if key.endswith("_scale_inv"))
         assert (f"float32/float8_e4m3fn -> float32; {count} FP8 (e4m3) tensors dequantized from 128x128 blocks"
                 in result.stdout), result.stdout
     return out
