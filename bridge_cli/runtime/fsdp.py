@@ -280,6 +280,7 @@ def load_model_state(chunk, state: dict, strict: bool) -> None:
     place (Megatron-LM skips the model's load_state_dict there); a shard it handed back as another tensor is copied
     in. The rest (plain tensors, every weight without FSDP) goes through ``load_state_dict``.
     """
+    import torch
     from torch.distributed.tensor import DTensor
 
     current = chunk.state_dict(keep_vars=True)
@@ -290,10 +291,11 @@ def load_model_state(chunk, state: dict, strict: bool) -> None:
     missing = sharded - set(state)
     if strict and missing:
         raise RuntimeError(f"missing key(s) in the checkpoint: {', '.join(sorted(missing))}")
-    for name in sharded & set(state):
-        local = current[name]._local_tensor
-        if state[name] is not local:
-            local.copy_(state[name])
+    with torch.no_grad():
+        for name in sharded & set(state):
+            local = current[name]._local_tensor
+            if state[name] is not local:
+                local.copy_(state[name])
     rest = {name: value for name, value in state.items() if name not in sharded}
     result = chunk.load_state_dict(rest, strict=False)
     if strict and (result.unexpected_keys or set(result.missing_keys) - sharded):

@@ -1,5 +1,5 @@
-"""torch FSDP2 (`dist.use_torch_fsdp2=true`) on the CPU: two processes over gloo give one process's loss curve, and
-its torch_dist checkpoints resume under FSDP2 and under plain DDP, and back (docs/parallelism.md#fsdp,
+"""torch FSDP2 (`dist.use_torch_fsdp2=true`) on the CPU: DP=2 and TP=2 x DP=2 over gloo give one process's loss
+curve, and its torch_dist checkpoints resume under FSDP2 and under plain DDP, and back (docs/parallelism.md#fsdp,
 docs/checkpoints.md#fsdp). Megatron-FSDP needs a GPU: tests/gpu/test_gpu_fsdp.py."""
 
 from __future__ import annotations
@@ -68,3 +68,16 @@ def test_fsdp2_checkpoint_resumes_under_ddp_and_back(reference, fsdp_stopped_at_
     out = ok(torchrun(2, "pretrain", *ARGS, FSDP2, f"checkpoint.save={root}"))
     assert f"loaded checkpoint {root}/iter_0000012" in out and "optimizer starts fresh" not in out
     assert_follows({**plain, **losses(out)}, reference, 9, 16)
+
+
+def test_tensor_parallel_fsdp2_follows_one_process_and_resumes_there(reference, tmp_path):
+    """TP=2 x FSDP2 over DP=2 (4 ranks: each weight's TP slice sharded again over DP) follows the one-process curve,
+    and its checkpoint resumes on one process under plain DDP, the curve going on to 1e-5."""
+    root = tmp_path / "ckpt"
+    out = ok(torchrun(4, "pretrain", *ARGS, FSDP2, "model.tensor_model_parallel_size=2", f"checkpoint.save={root}",
+                      "train.exit_interval=8"))
+    assert "TP 2 x PP 1 x CP 1 x DP 2" in out
+    assert_follows(losses(out), reference, 1, 8)
+    out = ok(bridge("pretrain", *ARGS, f"checkpoint.save={root}"))
+    assert f"loaded checkpoint {root}/iter_0000008" in out and "optimizer starts fresh" not in out
+    assert_follows(losses(out), reference, 9, 16)
