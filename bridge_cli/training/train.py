@@ -24,7 +24,7 @@ from bridge_cli.training import rerun
 from bridge_cli.training.losses import grad_norm_is_finite, reduce_loss_dict
 from bridge_cli.training.state import GlobalState
 from bridge_cli.training.state_injection import prepare_forward_step_func
-from bridge_cli.models.flops import num_floating_point_operations
+from bridge_cli.training.objective_flops import flops_per_sample
 
 if TYPE_CHECKING:
     from bridge_cli.checkpoint.manager import Decision
@@ -290,6 +290,7 @@ def train(forward_step_func: ForwardStepCallable, model: list, optimizer, schedu
         gc.disable()
         gc.collect()
     logger = global_state.training_logger = global_state.training_logger or TrainingLogger(global_state, model)
+    sample_flops = flops_per_sample(cfg)  # with the reference's or teacher's forward pass (objective_flops.py)
     rerun.start_at(ts.step)
     profiler = StepProfiler(cfg.profiling, dist.get_rank(), global_state.runtime.is_cuda, cfg.logger.tensorboard_dir)
     stragglers = start_nvrx_straggler_detection(cfg.nvrx_straggler)
@@ -315,7 +316,7 @@ def train(forward_step_func: ForwardStepCallable, model: list, optimizer, schedu
                 ts.step += 1
                 ts.consumed_train_samples += batch_size
                 ts.skipped_train_samples += skipped * batch_size
-                flops = num_floating_point_operations(cfg.derived.model, batch_size)
+                flops = sample_flops * batch_size
                 ts.floating_point_operations_so_far += flops
                 if not grad_norm_is_finite(grad_norm) and not cfg.model.fp16:
                     raise TrainingDiverged(
