@@ -98,7 +98,9 @@ def restarted_after_fault(out: str, kind: str, rank: int) -> tuple[str, str]:
     before, after = out.split(faults[0][2], 1)
     saved = [int(i) for i in re.findall(r"checkpoint \S+/iter_(\d+) saved", before)]
     assert saved and saved[-1] < ITERS, before[-3000:]
-    assert [int(i) for i in RESUMED.findall(after)] == [saved[-1]], after[-3000:]
+    # the last save said so, or the one the fault struck as the logging rank was about to say so
+    resumed = [int(i) for i in RESUMED.findall(after)]
+    assert len(resumed) == 1 and saved[-1] <= resumed[0] <= max(losses(before)), (saved, resumed)
     return before, after
 
 
