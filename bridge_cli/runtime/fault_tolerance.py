@@ -195,18 +195,19 @@ class SimulatedFault:
     def plan(cls, ft_cfg, rank: int, world_size: int) -> Optional["SimulatedFault"]:
         """The fault this rank will simulate, or None: none on other ranks, nor after a launcher restart (so the
         restarted run can finish). Every rank takes part (a random target rank is rank 0's pick)."""
+        rng = random.Random()  # not the seeded global one: the training's random streams stay as they were
         target = ft_cfg.simulated_fault_rank
         if target is not None and target >= world_size:
             raise ConfigError("ft.simulated_fault_rank", f"is {target}, and this run has ranks 0 to {world_size - 1}.",
                               "Pick one of them, or leave it null for a random rank.")
         if target is None:
-            target = _rank0_choice(random.randrange(world_size))
+            target = _rank0_choice(rng.randrange(world_size))
         if rank != target or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
             return None
         kind = ft_cfg.simulated_fault_type
         if kind == "random":
-            kind = random.choice(("rank_hung", "rank_killed"))
-        return cls(kind, ft_cfg.simulated_fault_base_delay + random.random(), rank)
+            kind = rng.choice(("rank_hung", "rank_killed"))
+        return cls(kind, ft_cfg.simulated_fault_base_delay + rng.random(), rank)
 
     def arm(self) -> None:
         threading.Thread(target=self._strike, name="simulated-fault", daemon=True).start()

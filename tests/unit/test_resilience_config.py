@@ -103,3 +103,22 @@ def test_scores_print_only_with_stragglers_when_asked_for_none_and_never_without
     off = NVRxStragglerDetectionConfig(enabled=True, enable_logging=False, gpu_individual_perf_threshold=0.99)
     assert StragglerSummary.of(report({0: 1.0, 1: 0.5}, {0: 1.0, 1: 0.95}), off).lines(off, 10) == [
         "straggler at iteration 10: rank 1 on node0 (relative 0.50 < 0.7, individual 0.95 < 0.99)"]
+
+
+def test_a_simulated_fault_is_planned_on_its_rank_in_the_first_start_only(monkeypatch):
+    from bridge_cli.config.errors import ConfigError
+    from bridge_cli.config.runtime_configs import FaultToleranceConfig
+    from bridge_cli.runtime.fault_tolerance import SimulatedFault
+
+    cfg = FaultToleranceConfig(enable_ft_package=True, simulate_fault=True, simulated_fault_rank=1,
+                               simulated_fault_base_delay=7)
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    kinds = {SimulatedFault.plan(cfg, rank=1, world_size=2).kind for _ in range(40)}
+    assert kinds == {"rank_hung", "rank_killed"}  # 'random' picks either
+    fault = SimulatedFault.plan(cfg, rank=1, world_size=2)
+    assert 7 <= fault.delay < 8 and fault.rank == 1
+    assert SimulatedFault.plan(cfg, rank=0, world_size=2) is None
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert SimulatedFault.plan(cfg, rank=1, world_size=2) is None  # the restarted workers run clean
+    with pytest.raises(ConfigError, match="ft.simulated_fault_rank: is 1, and this run has ranks 0 to 0"):
+        SimulatedFault.plan(cfg, rank=0, world_size=1)
