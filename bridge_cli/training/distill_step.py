@@ -12,6 +12,7 @@ gradients, outside the optimizer and the checkpoints.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -20,6 +21,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 
+from bridge_cli.checkpoint.errors import CheckpointError
 from bridge_cli.config.errors import ConfigError
 from bridge_cli.logging.timers import timed
 from bridge_cli.training.distill_loss import distill_loss
@@ -83,6 +85,7 @@ def teacher_model_values(cfg) -> tuple[dict[str, Any], str]:
     """(the teacher's ``model:`` fields, where they were read) from ``distill.teacher_checkpoint``; a ConfigError or
     CheckpointError naming the field when it is unset or holds no model. A Hugging Face folder gives its
     config.json's fields (the ones import-hf maps), a bridge checkpoint its run_config.yaml's model section."""
+    from bridge_cli.checkpoint import verify
     from bridge_cli.checkpoint.layout import is_hugging_face_folder, require_checkpoint
     from bridge_cli.convert.hf_training import model_fields
     from bridge_cli.convert.mcore_io import saved_model_values
@@ -93,8 +96,42 @@ def teacher_model_values(cfg) -> tuple[dict[str, Any], str]:
                           f"Set {FIELD}=DIR (a checkpoint bridge saved, or a Hugging Face model folder).")
     if is_hugging_face_folder(teacher):
         return model_fields(teacher)[1], str(Path(teacher) / "config.json")
-    found = require_checkpoint(Path(teacher), label=f"{FIELD}={teacher}")
-    return saved_model_values(found.path), str(found.path / "run_config.yaml")
+    with as_teacher(teacher):
+        found = require_checkpoint(Path(teacher), label=f"{FIELD}={teacher}")
+        saved = verify.saved_config(found.path) or {}
+        base = (saved.get("checkpoint") or {}).get("pretrained_checkpoint")
+        refuse_adapters(teacher, found.path, saved.get("peft"), base)
+        return saved_model_values(found.path), str(found.path / "run_config.yaml")
+
+
+def refuse_adapters(teacher: str, path: Path, adapters: Optional[dict], base: Optional[str]) -> None:
+    """A LoRA run's checkpoint holds its adapters (``adapters``: its peft settings), not a model: the teacher is
+    loaded whole, so it is refused, before the loader would advise peft=lora, which puts adapters on the student."""
+    if not adapters:
+        return
+    raise ConfigError(FIELD, f"{teacher} holds LoRA adapters ({path}), not a whole model; the teacher is loaded whole "
+                      "and frozen, and peft=lora would add adapters to the model trained, not to the teacher.",
+                      f"Merge the adapters into their base first: bridge peft merge {teacher} MERGED_DIR "
+                      "recipe=RECIPE (the recipe they were trained with" + (f"; their base: {base}" if base else "")
+                      + f"), then set {FIELD}=MERGED_DIR.")
+
+
+@contextlib.contextmanager
+def as_teacher(teacher: str):
+    """Checkpoint errors raised while reading the teacher name ``distill.teacher_checkpoint``: the loader reads it
+    as ``checkpoint.pretrained_checkpoint`` and names that key."""
+    try:
+        yield
+    except CheckpointError as err:
+        text = str(err)
+        if text.startswith(FIELD):
+            raise
+        raise CheckpointError(f"{FIELD}={teacher}: " + text.replace("checkpoint.pretrained_checkpoint", FIELD)) from err
+    except ConfigError as err:
+        if err.key != "checkpoint.pretrained_checkpoint":
+            raise
+        raise ConfigError(FIELD, err.message.replace("checkpoint.pretrained_checkpoint", FIELD),
+                          err.hint and err.hint.replace("checkpoint.pretrained_checkpoint", FIELD)) from err
 
 
 def check_teacher(cfg) -> dict[str, Any]:
@@ -145,7 +182,7 @@ def build_teacher(state: GlobalState):
     from megatron.core.transformer.module import Float16Module
 
     from bridge_cli.checkpoint.layout import require_checkpoint
-    from bridge_cli.checkpoint.load import load_checkpoint
+    from bridge_cli.checkpoint.load import adapter_metadata, load_checkpoint
     from bridge_cli.convert.hf_training import converted_for_loading
     from bridge_cli.convert.mcore_io import saved_model_values
 
@@ -156,9 +193,12 @@ def build_teacher(state: GlobalState):
     cfg.peft = None
     cfg.checkpoint = dataclasses.replace(state.cfg.checkpoint, pretrained_checkpoint=teacher, load=None,
                                          ckpt_step=None, finetune=False)
-    with converted_for_loading(cfg.checkpoint, state.runtime.local_rank) as converted:
+    with as_teacher(teacher), converted_for_loading(cfg.checkpoint, state.runtime.local_rank) as converted:
         if converted is not None:  # the import's run_config.yaml has every field, config.json only the mapped ones
             values = saved_model_values(require_checkpoint(Path(converted)).path)
+        else:  # the common state is what the loader reads adapters by
+            found = require_checkpoint(Path(teacher)).path
+            refuse_adapters(teacher, found, adapter_metadata(found), None)
         config = teacher_config(cfg, values)
         cfg.derived = dataclasses.replace(state.cfg.derived, model=config)
         model = config.provide(pre_process=True, post_process=True).to(state.runtime.device)

@@ -191,3 +191,30 @@ def test_bad_input_exits_2_naming_the_field_and_writes_nothing(cli, teacher, dat
     pretrain = cli("pretrain", "recipe=tiny_distill", f"distill.teacher_checkpoint={teacher}",
                    f"dataset.dataset_root={data}")
     assert pretrain.exit_code == 2 and "finetune.objective: is distill, which bridge finetune trains" in pretrain.stderr
+
+
+def test_a_lora_adapter_teacher_is_refused_with_the_merge_command(cli, teacher, data, tmp_path):
+    """A LoRA run's checkpoint holds adapters, not a model: the error names distill.teacher_checkpoint and says to
+    merge them first (bridge peft merge), not the loader's peft=lora, which would put adapters on the student. Told
+    by the run_config.yaml before any work, else by the common state when the teacher is loaded."""
+    adapters, save = tmp_path / "lora", tmp_path / "student"
+    made = bridge("finetune", "recipe=tiny_sft", f"checkpoint.pretrained_checkpoint={teacher}",
+                  f"dataset.dataset_root={data}", "peft=lora", "train.train_iters=1", "train.eval_iters=0",
+                  f"checkpoint.save={adapters}")
+    assert made.returncode == 0, made.stderr[-3000:]
+    advice = f"Merge the adapters into their base first: bridge peft merge {adapters} MERGED_DIR recipe=RECIPE"
+    early = cli(*distill(adapters, data, f"checkpoint.save={save}"))
+    assert early.exit_code == 2, early.output
+    assert f"distill.teacher_checkpoint: {adapters} holds LoRA adapters" in early.stderr
+    assert advice in early.stderr and f"their base: {teacher}" in early.stderr
+    assert "peft=lora to load" not in early.stderr and not save.exists()
+
+    run_config = next(adapters.glob("iter_*")) / "run_config.yaml"
+    record = run_config.read_text()
+    assert "\npeft:\n" in record
+    run_config.write_text(record.replace("\npeft:\n", "\npeft_was:\n"))  # a record that does not say so
+    late = bridge(*distill(adapters, data, "train.train_iters=1", "train.eval_iters=0"))
+    assert late.returncode == 2, late.stderr[-3000:]
+    assert f"distillation teacher: loading {adapters}" in late.stdout  # refused by the loading, not before
+    assert f"distill.teacher_checkpoint: {adapters} holds LoRA adapters" in late.stderr and advice in late.stderr
+    assert "peft=lora to load" not in late.stderr
