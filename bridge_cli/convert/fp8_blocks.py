@@ -17,6 +17,7 @@ Everything is checked from config.json and the headers before any tensor is read
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional
@@ -84,9 +85,9 @@ def check_config(hf: Mapping[str, Any], where: Path) -> Optional[tuple[int, int]
                             "import that.")
         elif key not in PASSIVE or (PASSIVE[key] is not None and value not in PASSIVE[key]):
             unsupported(where, f"{KEY}.{key} is {value!r}, a setting bridge does not know the meaning of",
-                        f"bridge dequantizes FP8 blocks as {SUPPORTED} describes.")
+                        f"bridge dequantizes FP8 blocks as {json.dumps(SUPPORTED)} describes.")
     if "quant_method" not in config:
-        unsupported(where, f"{KEY} has no quant_method", f"bridge dequantizes {KEY} {SUPPORTED}.")
+        unsupported(where, f"{KEY} has no quant_method", f"bridge dequantizes {KEY} {json.dumps(SUPPORTED)}.")
     # a key left out means transformers' default (FineGrainedFP8Config: dynamic, 128 x 128); e4m3 is checked per tensor
     rows, cols = SUPPORTED["weight_block_size"]
     return rows, cols
@@ -109,7 +110,8 @@ def plan(hf: Mapping[str, Any], where: Path, weights, expected: Mapping[str, tup
     if fp8 and block is None:
         raise CheckpointError(f"{weights.file_of(fp8[0])}: tensor {fp8[0]} is stored in FP8 (e4m3), and "
                               f"{where} has no {KEY} saying how to dequantize it. Add DeepSeek-V3's "
-                              f"(\"{KEY}\": {SUPPORTED}) if its weight_scale_inv tensors are 128x128 block scales.")
+                              f"(\"{KEY}\": {json.dumps(SUPPORTED)}) if its weight_scale_inv tensors are 128x128 "
+                              "block scales.")
     scales = {}
     for name in fp8:
         scale = name + SCALE_SUFFIX
