@@ -28,7 +28,7 @@ GPU_ONLY = {  # each with the arguments of its CPU refusal test
     # past its argument checks: its --baseline and --titan defaults, the scripts beside it, exist
     "compare_mcore.py": ["--titan"],
 }
-CPU_RUNS = ["kernel_breakdown.py", "layouts.py", "linear_cross_entropy.py", "moe_ep.py", "moe_experts.py",
+CPU_RUNS = ["deepseek_speed.py", "kernel_breakdown.py", "layouts.py", "linear_cross_entropy.py", "moe_ep.py", "moe_experts.py",
             "sft_packing.py"]
 NOT_RUN = {  # --help only, and why
     "convert_memory.py": "its real run builds a 1.24B-parameter model (8 GB of disk); test_convert_memory.py "
@@ -36,6 +36,8 @@ NOT_RUN = {  # --help only, and why
     "run_titan.py": "torchtitan is not a dependency: where it is missing the script says so, where it is installed "
                     "a CPU dry run (tested below)",
     "run_titan_moe.py": "the same, and its shape and FLOPs are checked against bridge's moe_proxy below",
+    "run_titan_deepseek.py": "the same; its shape, FLOPs and parameter count are checked against bridge's "
+                             "deepseek_v3 below, and deepseek_speed.py runs it on the CPU",
 }
 SCRIPTS = sorted(set(GPU_ONLY) | set(CPU_RUNS) | set(NOT_RUN))
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # as torchrun sets: a run's processes share 2 cores
@@ -348,3 +350,125 @@ def test_moe_ep_titan_on_the_cpu():
     assert re.search(r"^torchtitan EP=2 +[0-9.]+ +[0-9,]+ ", out, re.M), out
     assert re.search(r"^EP=2: bridge / torchtitan tokens/s per GPU [0-9.]+x \(bridge [0-9,]+, torchtitan [0-9,]+\)$",
                      out, re.M), out
+
+
+# deepseek_v3 at a CPU's size on one process, without its MTP layer (torchtitan's DeepSeek-V3 has none)
+DEEPSEEK_ON_THE_CPU = [
+    "model.spec=torch", "mixed_precision=fp32", "model.num_layers=2", "model.hidden_size=64", "model.ffn_hidden_size=128",
+    "model.num_attention_heads=4", "model.num_query_groups=4", "model.q_lora_rank=32", "model.kv_lora_rank=16",
+    "model.qk_head_dim=16", "model.qk_pos_emb_head_dim=8", "model.v_head_dim=16", "model.vocab_size=256",
+    "model.seq_length=64", "model.original_max_position_embeddings=64", "model.num_moe_experts=8",
+    "model.moe_router_topk=2", "model.moe_ffn_hidden_size=32", "model.moe_shared_expert_intermediate_size=32",
+    "model.moe_layer_freq=[0,1]", "model.moe_router_num_groups=2", "model.moe_router_group_topk=1",
+    "model.tensor_model_parallel_size=1", "model.sequence_parallel=false", "model.pipeline_model_parallel_size=1",
+    "model.num_layers_in_first_pipeline_stage=null", "model.num_layers_in_last_pipeline_stage=null",
+    "model.expert_model_parallel_size=1", "model.gradient_accumulation_fusion=false", "model.mtp_num_layers=null",
+    "optimizer.use_distributed_optimizer=false", "train.global_batch_size=8", "scheduler.lr_warmup_iters=1",
+    "model.use_cpu_initialization=true"]
+HAS_DEEPSEEK_PROXY = (REPO / "recipes" / "deepseek_proxy.yaml").is_file()
+
+
+@no_torchtitan
+@pytest.mark.parametrize("script, args", [("deepseek_speed.py", []), ("run_titan_deepseek.py", ["--device", "cpu"])])
+def test_deepseek_scripts_without_torchtitan_say_what_to_install(script, args):
+    result = python(str(BENCH / script), *args, timeout=60)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert f"{script} runs torchtitan 0.2.2, which is not installed" in result.stderr
+
+
+def test_deepseek_speed_refuses_a_shape_torchtitan_cannot_take(monkeypatch, capsys):
+    """deepseek_v3 as shipped has an MTP layer; with a shared expert of half an expert and a dense layer after MoE
+    ones, each field is named before anything runs."""
+    deepseek_speed = bench_module(monkeypatch, "deepseek_speed")
+    with pytest.raises(SystemExit) as stop:
+        deepseek_speed.titan_shape("deepseek_v3", [*DEEPSEEK_ON_THE_CPU, "model.mtp_num_layers=1",
+                                                   "model.moe_shared_expert_intermediate_size=16",
+                                                   "model.num_layers=3", "model.moe_layer_freq=[0,1,0]"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert "cannot take the shape of recipe=deepseek_v3: model.mtp_num_layers=1 (torchtitan's DeepSeek-V3: no " in err
+    assert "model.moe_layer_freq=[0, 1, 0] with model.num_moe_experts=8 (torchtitan's DeepSeek-V3: dense first" in err
+    assert "model.moe_shared_expert_intermediate_size=16 (torchtitan's DeepSeek-V3: a whole number of experts" in err
+
+
+def bridge_deepseek(recipe, overrides):
+    from bridge_cli.config.compose import compose
+    from bridge_cli.training.config import ConfigContainer
+
+    cfg = ConfigContainer.from_yaml_dict(compose(recipe, overrides))
+    cfg.validate(1, "cuda")
+    return cfg
+
+
+DEEPSEEK_SHAPES = [pytest.param("deepseek_v3", DEEPSEEK_ON_THE_CPU, id="deepseek_v3-cpu-size"),
+                   pytest.param("deepseek_v3", [*DEEPSEEK_ON_THE_CPU, "model.q_lora_rank=null"], id="no-q-lora"),
+                   pytest.param("deepseek_proxy", [], id="deepseek_proxy", marks=pytest.mark.skipif(
+                       not HAS_DEEPSEEK_PROXY, reason="recipes/deepseek_proxy.yaml is not written yet"))]
+
+
+@pytest.mark.parametrize("recipe, overrides", DEEPSEEK_SHAPES)
+def test_titan_deepseek_counts_bridges_activated_flops(monkeypatch, recipe, overrides):
+    """deepseek_speed.py hands torchtitan bridge's shape, and its MFU counts the FLOPs bridge's log counts
+    (multi-latent attention, dense first layers, routed top-k and the shared expert)."""
+    from bridge_cli.models.flops import num_floating_point_operations
+
+    deepseek_speed = bench_module(monkeypatch, "deepseek_speed")
+    run_titan_deepseek = bench_module(monkeypatch, "run_titan_deepseek")
+    flags = deepseek_speed.titan_shape(recipe, overrides)
+    cfg = bridge_deepseek(recipe, overrides)
+    assert f"--global-batch={cfg.train.global_batch_size}" in flags, flags
+    per_token = num_floating_point_operations(cfg.model, 1) / cfg.model.seq_length
+    assert run_titan_deepseek.bridge_flops_per_token(run_titan_deepseek.parse_args(flags)) == per_token
+
+
+TITAN_DEEPSEEK_PARAMETERS = """
+import sys
+import torch
+import run_titan_deepseek, titan_harness
+titan_harness.load_moe_kernels_without_triton()
+titan_harness.ensure_datasets_importable()
+from torchtitan.models.deepseek_v3 import DeepSeekV3Model
+args = run_titan_deepseek.model_args(run_titan_deepseek.parse_args(sys.argv[1:]))
+args.moe_impl = "standard"  # what its Trainer sets from the job config
+with torch.device("meta"):
+    model = DeepSeekV3Model(args)
+print("PARAMETERS", sum(p.numel() for p in model.parameters()))
+"""
+
+
+@with_torchtitan
+@pytest.mark.parametrize("recipe, overrides", DEEPSEEK_SHAPES)
+def test_titan_deepseek_model_has_bridges_parameter_count(monkeypatch, recipe, overrides):
+    """torchtitan's DeepSeek-V3 built (on the meta device) from deepseek_speed.py's flags has as many parameters as
+    bridge's model: the same projections, latent norms, router, experts and shared expert."""
+    from bridge_cli.training.memory_estimate import estimate_memory
+
+    flags = bench_module(monkeypatch, "deepseek_speed").titan_shape(recipe, overrides)
+    result = run(sys.executable, "-c", TITAN_DEEPSEEK_PARAMETERS, *flags, cwd=BENCH, hand_off=False, timeout=300)
+    counted = int(re.search(r"^PARAMETERS (\d+)$", succeeded(result), re.M).group(1))
+    assert counted == estimate_memory(bridge_deepseek(recipe, overrides), 1).parameters
+
+
+@pytest.mark.slow
+@with_torchtitan
+def test_deepseek_speed_on_the_cpu():
+    out = succeeded(python(str(BENCH / "deepseek_speed.py"), "--recipe", "deepseek_v3", "--iters", "6",
+                           "--titan-arg=--no-compile", "--", *DEEPSEEK_ON_THE_CPU, env=ONE_THREAD, timeout=900))
+    assert re.search(r"^bridge +[0-9.]+ +[0-9,]+ ", out, re.M) and re.search(r"^torchtitan +[0-9.]+ +[0-9,]+ ", out, re.M)
+    assert re.search(r"^bridge / torchtitan tokens/s per GPU: [0-9.]+x \(bridge [0-9,]+, torchtitan [0-9,]+\)$",
+                     out, re.M), out
+
+
+@pytest.mark.slow
+@with_torchtitan
+def test_run_titan_deepseek_on_the_cpu():
+    """torchtitan's DeepSeek-V3 with a full-rank query (q_lora_rank 0, as V2-Lite) and no expert groups."""
+    out = succeeded(run(sys.executable, str(BENCH / "run_titan_deepseek.py"), "--layers", "2", "--hidden", "64",
+                        "--ffn", "128", "--heads", "2", "--q-lora-rank", "0", "--kv-lora-rank", "16",
+                        "--qk-head-dim", "16", "--qk-rope-head-dim", "8", "--v-head-dim", "16", "--experts", "4",
+                        "--topk", "2", "--groups", "0", "--expert-ffn", "32", "--vocab", "256", "--seq", "32",
+                        "--global-batch", "4", "--steps", "2", "--warmup", "1", "--no-compile", env=ONE_THREAD,
+                        hand_off=False))
+    res = json.loads(out.strip().splitlines()[-1])
+    assert res["model"] == "deepseek_v3" and res["device"] == "cpu" and res["tokens_per_s_per_gpu"] > 0, res
+    assert all(math.isfinite(res[k]) for k in ("loss_first", "loss_last")), res
