@@ -86,6 +86,12 @@ def check_fsdp(cfg, device: str) -> None:
         raise ConfigError(kind, "does not work with model.compile_layers=true yet: bridge compiles each layer's "
                           "forward in place, and FSDP hooks its all-gathers onto the same modules (not run together "
                           "yet).", f"Set model.compile_layers=false, or unset {kind}.")
+    shards_weights = kind == TORCH_FSDP2 or cfg.ddp.data_parallel_sharding_strategy == "optim_grads_params"
+    if shards_weights and cfg.train.check_weight_hash_across_dp_replicas_interval:
+        raise ConfigError(kind, "does not work with train.check_weight_hash_across_dp_replicas_interval: the "
+                          "data-parallel ranks hold different shards of the weights, not replicas (Megatron-LM "
+                          "refuses it with optim_grads_params too).",
+                          "Unset train.check_weight_hash_across_dp_replicas_interval.")
     if cfg.logger.log_params_norm:
         raise ConfigError(kind, "does not work with logger.log_params_norm=true: bridge's norm sums whole weights, "
                           "and FSDP's are shards.", f"Set logger.log_params_norm=false, or unset {kind}.")

@@ -43,6 +43,11 @@ REFUSED = [
     ([*FSDP2, "logger.log_params_norm=true"], ["dist.use_torch_fsdp2", "logger.log_params_norm=true"]),
     (["recipe=tiny_moe", *FSDP2], ["dist.use_torch_fsdp2", "model.num_moe_experts"]),
     ([*FSDP2, "model.compile_layers=true"], ["dist.use_torch_fsdp2", "model.compile_layers=true"]),
+    ([*FSDP2, "train.check_weight_hash_across_dp_replicas_interval=10"],
+     ["dist.use_torch_fsdp2", "train.check_weight_hash_across_dp_replicas_interval", "shards"]),
+    ([*MEGATRON_FSDP, "ddp.data_parallel_sharding_strategy=optim_grads_params",
+      "train.check_weight_hash_across_dp_replicas_interval=10"],
+     ["ddp.use_megatron_fsdp", "train.check_weight_hash_across_dp_replicas_interval"]),
     ([*MEGATRON_FSDP, "model.gradient_accumulation_fusion=true"],
      ["ddp.use_megatron_fsdp", "model.gradient_accumulation_fusion=true"]),
 ]
