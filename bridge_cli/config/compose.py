@@ -233,7 +233,16 @@ def _split(overrides: list[str]) -> tuple[tuple[str, ...], list]:
     for override in parsed:
         is_value = override.package is None and "." in override.key_or_group and not override.is_hydra_override()
         (values if is_value else groups).append(override)
-    return tuple(o.input_line for o in groups), values
+    return tuple(_group_line(o) for o in groups), values
+
+
+def _group_line(override) -> str:
+    """The override as Hydra takes it; ``GROUP=null`` (``peft=null``: no adapters) is Hydra's ``~GROUP``, which
+    Hydra spells differently and would otherwise stop with a traceback."""
+    plain = override.package is None and not override.is_hydra_override() and not override.is_delete()
+    if plain and not override.is_add() and override.value() is None:
+        return f"~{override.key_or_group}"
+    return override.input_line
 
 
 @functools.lru_cache(maxsize=16)

@@ -45,6 +45,14 @@ def test_precedence_group_defaults_then_recipe_then_command_line():
     assert container("tiny", "optimizer.lr=0.5").optimizer.lr == 0.5  # command line beats recipe
 
 
+def test_a_group_set_to_null_turns_it_off():
+    """``peft=null`` on the command line is Hydra's ``~peft`` (Hydra itself stops on it with a traceback)."""
+    assert compose("llama8b_dpo_lora", []).peft is not None  # the recipe picks LoRA
+    assert compose("llama8b_dpo_lora", ["peft=null"]).peft is None
+    assert compose("llama8b_dpo_lora", ["~peft"]).peft is None
+    assert compose("tiny_sft", ["peft=null"]).peft is None  # off already
+
+
 def test_a_layer_beneath_the_command_line_decided_from_the_composed_config():
     """A Hugging Face folder's config.json goes between the recipe and the command line; which folder is known only
     once the recipe and the command line are composed. The layer sees that config, wins over the recipe, loses to
