@@ -37,7 +37,7 @@ The others stay below 4.8e-6 (Gemma's), most below 2.7e-6."""
 SHAPE = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=128)
 OWN_SHAPE = {"gpt2": dict(n_embd=64, n_layer=2, n_head=4, n_positions=128),
-             "deepseek_v3": {**SHAPE, "num_key_value_heads": 4}}
+             "deepseek_v3": {**SHAPE, "num_key_value_heads": 4}, "deepseek_v2": {**SHAPE, "num_key_value_heads": 4}}
 """Families whose config.json names the shape otherwise, in place of SHAPE (GPT-2: n_inner null, 4 * n_embd;
 DeepSeek-V3: a key and value per head, as multi-latent attention expands them)."""
 DEEPSEEK_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "mscale": 0.707,
@@ -130,13 +130,22 @@ MODELS = {
         first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
         moe_intermediate_size=48, n_shared_experts=2, routed_scaling_factor=2.5, tie_word_embeddings=False,
         rope_scaling=DEEPSEEK_YARN), None),
+    # DeepSeek-V3's attention with DeepSeek-V2's YaRN (mscale = mscale_all_dim, as in its releases); a dense first
+    # layer, then an MoE layer: softmax scores, top-3 within the best 2 of 4 groups (a group scores its best expert:
+    # megatron-core's sum of the top 3 // 2), not renormalised, times 2.5; two shared experts. V2-Lite's greedy
+    # router with q_lora_rank null: test_deepseek_v2_lite
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", dict(
+        vocab_size=512, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=24,
+        first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=3, topk_method="group_limited_greedy",
+        n_group=4, topk_group=2, moe_intermediate_size=48, n_shared_experts=2, routed_scaling_factor=2.5,
+        tie_word_embeddings=False, rope_scaling={**DEEPSEEK_YARN, "mscale": 0.707, "mscale_all_dim": 0.707}), None),
 }
 WINDOWS = {"mistral": ([7, 0], [1, 1]), "mixtral": ([7, 0], [1, 1]), "phi3": ([7, 0], [1, 1]),
            "starcoder2": ([7, 0], [1, 1]), "qwen3_moe": ([7, 0], [1, 1]), "qwen2": ([7, 0], [0, 1]),
            "qwen3": ([7, 0], [0, 1]), "qwen2_moe": ([7, 0], [1, 0]), "gemma3_text": ([7, 0], [1, 0]),
            "gemma2": ([7, 0], [1, 0]), "gpt_oss": ([7, 0], [1, 0])}
 """The imported models' window_size and window_attn_skip_freq (sliding_window 8: the query and 7 keys before it)."""
-MOE = ("mixtral", "qwen3_moe", "olmoe", "gpt_oss", "qwen2_moe", "deepseek_v3")
+MOE = ("mixtral", "qwen3_moe", "olmoe", "gpt_oss", "qwen2_moe", "deepseek_v3", "deepseek_v2")
 """The mixture-of-experts families, loaded at EP=2 too (and at TP=2 with their experts split, GPT-OSS's biased
 ones excepted: megatron-core computes those at expert TP 1)."""
 
@@ -573,6 +582,12 @@ def test_import_errors_name_the_problem_and_leave_no_output(cli, broken, tmp_pat
     ("deepseek_v3", dict(n_routed_experts=8, num_experts_per_tok=4),
      ["transformers scores a group by its top two experts", "that ratio must be 2"]),
     ("deepseek_v3", dict(rope_interleave=False), ["rope_interleave false"]),
+    ("deepseek_v2", dict(num_experts_per_tok=4), ["group_limited_greedy with num_experts_per_tok 4 and topk_group 2",
+                                                  "so that quotient must be 1"]),
+    ("deepseek_v2", dict(topk_method="noaux_tc"), ["topk_method 'noaux_tc'", "convert it as deepseek_v3"]),
+    ("deepseek_v2", dict(norm_topk_prob=True), ["norm_topk_prob true: transformers' DeepSeek-V2 router does not"]),
+    ("deepseek_v2", dict(moe_layer_freq=2), ["moe_layer_freq 2"]),
+    ("deepseek_v2", dict(scoring_func="sigmoid"), ["scoring_func 'sigmoid'"]),
 ])
 def test_import_refuses_what_megatron_core_cannot_compute(cli, hf_dirs, tmp_path, name, changes, fragments):
     folder = tmp_path / "hf"
@@ -671,9 +686,8 @@ def test_families_lists_every_family_with_its_limits(cli):
     result = cli("convert-ckpt", "families")
     assert result.exit_code == 0
     lines = result.stdout.splitlines()
-    assert [line.split()[0] for line in lines] == [*MODELS, "deepseek_v2"]
-    assert all("Limits: " in line for line in lines[:len(MODELS)])
-    assert all("not converted: " in line for line in lines[len(MODELS):])
+    assert [line.split()[0] for line in lines] == [*MODELS]
+    assert all("Limits: " in line for line in lines)
 
 
 @pytest.mark.slow
@@ -701,6 +715,49 @@ def test_deepseek_v3_without_q_lora_rank(work, hf_dirs, tokens):
     ok(bridge("convert-ckpt", "export-hf", str(imported), str(out)))
     original, exported = safetensors_of(folder), safetensors_of(out)
     assert sorted(exported) == sorted(original) and all(torch.equal(exported[k], t) for k, t in original.items())
+
+
+@pytest.mark.slow
+def test_deepseek_v2_lite(work, tokens):
+    """DeepSeek-V2-Lite's layout: q_lora_rank null, the greedy softmax router (top-2 of 4 experts, n_group 1), YaRN with
+    mscale = mscale_all_dim = 1, and DeepSeek's balance-loss keys (aux_loss_alpha, seq_aux), which are megatron-core's
+    sequence aux loss in the recipe and go back into config.json; logits equal transformers' at TP=1, TP=2 and EP=2,
+    the round trip gives the tensors back, and the import trains at TP 2 with sequence parallelism as in one process."""
+    config_cls, model_cls, options, _ = MODELS["deepseek_v2"]
+    torch.manual_seed(0)
+    lite = {**options, "q_lora_rank": None, "n_routed_experts": 4, "num_experts_per_tok": 2, "topk_method": "greedy",
+            "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0,
+            "rope_scaling": {**DEEPSEEK_YARN, "mscale": 1.0, "mscale_all_dim": 1.0}}
+    config = getattr(transformers, config_cls)(**OWN_SHAPE["deepseek_v2"], **lite, aux_loss_alpha=0.001, seq_aux=True)
+    model = getattr(transformers, model_cls)(config).float().eval()
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            param.uniform_(0.5, 1.5) if "norm" in param_name else param.normal_(0.0, 0.1)
+        expected = model(tokens).logits
+    folder, imported, out = work / "hf_deepseek_v2_lite", work / "mcore_deepseek_v2_lite", work / "rt_v2_lite"
+    model.save_pretrained(folder)
+    assert "model.layers.0.self_attn.q_proj.weight" in safetensors_of(folder)
+    ok(bridge("convert-ckpt", "import-hf", str(folder), str(imported)))
+    recipe = yaml.safe_load((imported / "recipe.yaml").read_text())["model"]
+    assert (recipe["q_lora_rank"], recipe["moe_router_pre_softmax"], recipe["moe_router_num_groups"],
+            recipe["moe_router_load_balancing_type"], recipe["moe_aux_loss_coeff"]) == (None, True, None,
+                                                                                         "seq_aux_loss", 0.001)
+    logits = work / "v2_lite_logits"
+    logits.mkdir()
+    env = {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    ok(python(str(WORKER), "--ckpt", f"lite={imported}", "--tokens", str(work / "tokens.pt"), "--out", str(logits),
+              "--tp", "1", "2", "--ep", "2", nproc=2, env=env, timeout=900))
+    for layout in ("tp1", "tp2", "ep2"):
+        assert (torch.load(logits / f"lite_{layout}.pt") - expected).abs().max().item() < ATOL, layout
+    ok(bridge("convert-ckpt", "export-hf", str(imported), str(out)))
+    original, exported = safetensors_of(folder), safetensors_of(out)
+    assert sorted(exported) == sorted(original) and all(torch.equal(exported[k], t) for k, t in original.items())
+    written = json.loads((out / "config.json").read_text())
+    assert (written["topk_method"], written["aux_loss_alpha"], written["seq_aux"]) == ("greedy", 0.001, True)
+    curves = one_process_and_parallel({"lite": imported}, "lite", 2, TP2_SP)
+    assert len(curves[0][0]) == 3 and curves[1][0] == pytest.approx(curves[0][0], rel=1e-5), curves
+    assert curves[1][1] == pytest.approx(curves[0][1], abs=2e-3), curves
 
 
 @pytest.mark.slow

@@ -21,6 +21,7 @@ from bridge_cli.convert.families.gemma2 import Gemma2
 from bridge_cli.convert.families.gemma3 import Gemma3
 from bridge_cli.convert.families.glm4 import Glm4
 from bridge_cli.convert.families.gpt2 import Gpt2
+from bridge_cli.convert.families.deepseek_v2 import DeepseekV2
 from bridge_cli.convert.families.deepseek_v3 import DeepseekV3
 from bridge_cli.convert.families.gpt_oss import GptOss
 from bridge_cli.convert.families.llama import Llama
@@ -43,19 +44,16 @@ FAMILIES: dict[str, LlamaLike] = {family.model_type: family
                                   for family in (Llama(), Mistral(), Qwen2(), Qwen3(), Phi3(),
                                                  Mixtral(), Qwen3Moe(), Olmoe(), Gemma3(), Gemma2(), GptOss(), Gemma(),
                                                  Starcoder2(), Olmo2(), Qwen2Moe(), Glm4(), StableLm(), Gpt2(),
-                                                 SeedOss(), Arcee(), DeepseekV3())}
+                                                 SeedOss(), Arcee(), DeepseekV3(), DeepseekV2())}
 """model_type -> its family, in the order export tries them."""
 
 INFERRED = ("llama", "mistral", "qwen2", "qwen3", "phi3",
             "mixtral", "qwen3_moe", "olmoe", "gemma3_text", "gemma2", "gpt_oss", "gemma", "starcoder2", "olmo2",
-            "qwen2_moe", "glm4", "stablelm", "gpt2", "arcee", "deepseek_v3")
+            "qwen2_moe", "glm4", "stablelm", "gpt2", "arcee", "deepseek_v3", "deepseek_v2")
 """The families export picks without --model-type."""
 
 
-REFUSED = {
-    "deepseek_v2": ("its config class (topk_method's softmax routing, its own YaRN defaults) is not mapped yet; its "
-                    "multi-latent attention is deepseek_v3's, and DeepSeek-V3-style models convert as deepseek_v3"),
-}
+REFUSED: dict[str, str] = {}
 """Hugging Face model types bridge knows and does not convert yet: why, for the refusal."""
 
 

@@ -143,6 +143,15 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "initializer_range": 0.02, "rms_norm_eps": 1e-06, "use_cache": True, "pad_token_id": None, "bos_token_id": 0,
         "eos_token_id": 1, "pretraining_tp": 1, "tie_word_embeddings": False, "rope_parameters": None,
         "rope_interleave": True, "attention_bias": False, "attention_dropout": 0.0, "num_mtp_layers": 1},
+    "deepseek_v2": {"vocab_size": 102400, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": None, "hidden_act": "silu", "max_position_embeddings": 2048,
+        "initializer_range": 0.02, "rms_norm_eps": 1e-06, "use_cache": True, "pad_token_id": None, "bos_token_id": 1,
+        "eos_token_id": 2, "pretraining_tp": 1, "tie_word_embeddings": False, "rope_parameters": None,
+        "attention_bias": False, "attention_dropout": 0.0, "mlp_bias": False, "head_dim": None,
+        "first_k_dense_replace": 0, "kv_lora_rank": 512, "q_lora_rank": 1536, "n_group": None,
+        "n_routed_experts": 64, "output_router_logits": False, "n_shared_experts": 2, "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64, "routed_scaling_factor": 1.0, "topk_group": None, "topk_method": "greedy",
+        "norm_topk_prob": False, "v_head_dim": 128, "num_experts_per_tok": None, "moe_intermediate_size": 1407},
 }
 """model_type -> each field of its transformers config class (beyond PreTrainedConfig's) and its default."""
 
@@ -152,6 +161,7 @@ ALIASES: dict[str, dict[str, str]] = {
     "gpt2": {"hidden_size": "n_embd", "max_position_embeddings": "n_positions", "num_attention_heads": "n_head",
              "num_hidden_layers": "n_layer"},
     "deepseek_v3": {"num_local_experts": "n_routed_experts", "num_mtp_layers": "num_nextn_predict_layers"},
+    "deepseek_v2": {"num_experts": "n_routed_experts"},
 }
 """model_type -> its config class's ``attribute_map``: a key config.json may use for another (transformers sets the
 other), so a field of the class named by the first holds the default of the second."""
