@@ -76,6 +76,7 @@ def _train(entry: str, overrides, recipes_dir, dry_run: bool, world_size, device
     recipe, container = load_config(overrides, recipes_dir, world_size, runs_model=not dry_run, device=device,
                                     resume=None if dry_run else resume.value)
     if dry_run:
+        _check_inputs(container, entry, device, resume.value)
         if is_rank_zero():
             print_dry_run(recipe, container)
             print_memory(container, gpu_memory)
@@ -101,6 +102,7 @@ def evaluate(overrides: Overrides = None, recipes_dir: RecipesDir = None, dry_ru
     recipe, container = load_config(overrides, recipes_dir, world_size, runs_model=not dry_run, device=device,
                                     hf_load=True)
     if dry_run:
+        _check_inputs(container, "eval", device)
         if is_rank_zero():
             print_dry_run(recipe, container)
         return
@@ -111,6 +113,15 @@ def evaluate(overrides: Overrides = None, recipes_dir: RecipesDir = None, dry_ru
     report = evaluate_checkpoint(container, forward_step)
     if report is not None:
         print_report(report, output)
+
+
+def _check_inputs(container, command: str, device, resume: str = "never") -> None:
+    """--dry-run refuses the inputs (checkpoints, data) the run would refuse. With --device it checks a config for
+    another machine, where those files live: it leaves them out."""
+    if device is None:
+        from bridge_cli.training.run_inputs import check_run_inputs
+
+        check_run_inputs(container, command, resume)
 
 
 def _check_dry_run_options(dry_run: bool, device, gpu_memory=None) -> None:

@@ -68,25 +68,8 @@ def layer_spec(name: str, config: TransformerConfig, vp_stage: Optional[int] = N
         multi_latent_attention=config.multi_latent_attention,
         qk_l2_norm=config.qk_l2_norm,
     )
-    sdpa_backend = getattr(config, "sdpa_backend", "auto")
-    if sdpa_backend != "auto" and name != "torch":
-        raise RuntimeUnavailable(
-            f"model.sdpa_backend={sdpa_backend} applies to the torch layer spec only, and model.spec={name}. "
-            "Set model.spec=torch, or model.sdpa_backend=auto."
-        )
-    if name not in SPEC_NAMES:
-        raise ValueError(f"model.spec={name!r} is not a layer spec; choose one of {', '.join(SPEC_NAMES)}.")
+    check_spec(name, config)
     use_te = name == "te"
-    if use_te and not transformer_engine_importable():
-        raise RuntimeUnavailable(
-            "model.spec=te needs Transformer Engine, which does not import here. "
-            "Install transformer_engine[pytorch] on a CUDA machine, or set "
-            "model.spec=torch."
-        )
-    if name == "local" and config.context_parallel_size > 1:
-        raise RuntimeUnavailable(
-            f"model.context_parallel_size={config.context_parallel_size} needs Transformer Engine's attention or "
-            "the torch spec's; the local layer spec has neither. Use model.spec=torch or model.spec=te.")
     if config.num_moe_experts:
         spec = gpt_layer_specs.get_gpt_decoder_block_spec(
             config, use_transformer_engine=use_te, normalization=config.normalization,
@@ -123,6 +106,34 @@ def layer_spec(name: str, config: TransformerConfig, vp_stage: Optional[int] = N
         if config.fp8:
             _use_fp8_linears(layer, config)
     return _use_layer_options(spec, layers, config, vp_stage)
+
+
+def check_spec(name: str, config, transformer_engine_here: bool = True) -> None:
+    """Refuse, naming the field, what the layer spec ``name`` cannot build for ``config`` (the model section or its
+    TransformerConfig): the validation pass asks before any work, layer_spec again as it builds.
+    ``transformer_engine_here=False`` (a dry run for another machine) leaves out whether Transformer Engine imports."""
+    sdpa_backend = getattr(config, "sdpa_backend", "auto")
+    if sdpa_backend != "auto" and name != "torch":
+        raise RuntimeUnavailable(
+            f"model.sdpa_backend={sdpa_backend} applies to the torch layer spec only, and model.spec={name}. "
+            "Set model.spec=torch, or model.sdpa_backend=auto."
+        )
+    if name not in SPEC_NAMES:
+        raise ValueError(f"model.spec={name!r} is not a layer spec; choose one of {', '.join(SPEC_NAMES)}.")
+    if name == "te" and transformer_engine_here and not transformer_engine_importable():
+        raise RuntimeUnavailable(
+            "model.spec=te needs Transformer Engine, which does not import here. "
+            "Install transformer_engine[pytorch] on a CUDA machine, or set "
+            "model.spec=torch."
+        )
+    if name == "local" and config.context_parallel_size > 1:
+        raise RuntimeUnavailable(
+            f"model.context_parallel_size={config.context_parallel_size} needs Transformer Engine's attention or "
+            "the torch spec's; the local layer spec has neither. Use model.spec=torch or model.spec=te.")
+    if config.multi_latent_attention and name != "te":
+        from bridge_cli.models import mla
+
+        mla.check_config(config, name)
 
 
 def _use_torch_mla(name: str, config: TransformerConfig, layers: list) -> None:

@@ -46,7 +46,7 @@ def evaluate_checkpoint(config: ConfigContainer, forward_step_func: ForwardStepC
     from bridge_cli.logging.reports import is_cross_entropy, perplexity
     from bridge_cli.runtime.collectives import is_last_rank
 
-    checkpoint, iteration = _checkpoint_to_evaluate(config)
+    checkpoint, iteration = checkpoint_to_evaluate(config)
     # DPO: its loss, rewards and reward accuracy on preference pairs; distill: the KL to the teacher and the CE
     from bridge_cli.training.objectives import objective_forward_step
 
@@ -76,7 +76,7 @@ def evaluate_checkpoint(config: ConfigContainer, forward_step_func: ForwardStepC
         return report if is_last_rank() else None
 
 
-def _checkpoint_to_evaluate(config: ConfigContainer) -> tuple[str, int]:
+def checkpoint_to_evaluate(config: ConfigContainer) -> tuple[str, int]:
     """(what is scored, its iteration): checkpoint.load's checkpoint, or a Hugging Face folder's weights (0)."""
     from bridge_cli.checkpoint.layout import require_checkpoint
     from bridge_cli.convert.hf_training import is_hf_folder

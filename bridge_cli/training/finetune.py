@@ -37,14 +37,15 @@ def finetune(config: ConfigContainer, forward_step_func: ForwardStepCallable) ->
     pretrain(config, objective_forward_step(config.finetune.objective, forward_step_func))
 
 
-def check_finetune_inputs(config: ConfigContainer) -> None:
-    """Before any device work: a pretrained checkpoint to start from, and the training data."""
+def check_finetune_inputs(config: ConfigContainer, resumes: bool = False) -> None:
+    """Before any device work: a pretrained checkpoint to start from, and the training data. ``resumes``: a dry run's
+    --resume auto will set checkpoint.load (the run sets it before it gets here)."""
     from bridge_cli.checkpoint.layout import require_checkpoint
     from bridge_cli.convert.hf_training import is_hf_folder
 
     ckpt = config.checkpoint
     distill = config.finetune.objective == "distill"  # a distilled model may start from its random initialization
-    if ckpt.pretrained_checkpoint is None and ckpt.load is None and not distill:
+    if ckpt.pretrained_checkpoint is None and ckpt.load is None and not resumes and not distill:
         raise ConfigError("checkpoint.pretrained_checkpoint", "is not set; fine-tuning starts from a pretrained model.",
                           "Set checkpoint.pretrained_checkpoint=DIR, a folder `bridge pretrain checkpoint.save=DIR` wrote.")
     if ckpt.pretrained_checkpoint is not None and not is_hf_folder(ckpt.pretrained_checkpoint):

@@ -27,10 +27,10 @@ from bridge_cli.models.attention.config_checks import check_attention
 from bridge_cli.models.fp8_checks import check_low_precision
 from bridge_cli.models.layer_option_checks import check_layer_options
 from bridge_cli.models.moe_checks import check_moe
-from bridge_cli.models.specs import default_spec_name
+from bridge_cli.models.specs import SPEC_NAMES, check_spec, default_spec_name
 from bridge_cli.models.wgrad_accumulation import check as check_wgrad_accumulation
 from bridge_cli.config.data_configs import FinetuningDatasetConfig
-from bridge_cli.runtime.device_rules import check_device
+from bridge_cli.runtime.device_rules import check_device, default_device
 from bridge_cli.runtime.fsdp import check_fsdp
 from bridge_cli.runtime.launcher_fields import check_launcher_fields
 from bridge_cli.runtime.mcore_import import megatron_core_version
@@ -131,6 +131,7 @@ def validate_and_derive(cfg, world_size: int, device: str, previous: Optional[De
     _check_sequence_length(cfg)
     check_attention(cfg)
     check_low_precision(cfg, cfg.model.spec or default_spec_name(), device)
+    _check_layer_spec(cfg.model, device)
     check_layer_options(cfg.model)
     check_wgrad_accumulation(cfg.model)
     ckpt = cfg.checkpoint
@@ -144,6 +145,20 @@ def validate_and_derive(cfg, world_size: int, device: str, previous: Optional[De
     return Derived(world_size=world_size, device=device, data_parallel_size=dp, num_microbatches=microbatches,
                    global_batch_size=global_batch, vocab_size=vocab_size, padded_vocab_size=model.padded_vocab_size,
                    **steps, model=model, comm_overlap=comm_overlap, checked=cfg.to_dict())
+
+
+def _check_layer_spec(model, device: str) -> None:
+    """The layer spec's rules (models/specs.py), which layer_spec would otherwise meet only as it builds the model.
+    A pass for another machine's device (--device cuda from a CPU machine) knows neither the spec model.spec=null
+    picks there nor whether Transformer Engine imports there, so it checks an explicit model.spec only."""
+    here = device == default_device()
+    name = model.spec or (default_spec_name() if here else None)
+    if name is None:
+        return
+    try:
+        check_spec(name, model, transformer_engine_here=here)
+    except ValueError as err:  # a name the schema's choices let through
+        raise ConfigError("model.spec", f"{name!r} is not a layer spec.", f"Choose one of {', '.join(SPEC_NAMES)}.") from err
 
 
 def _check_export_family(model_type: Optional[str]) -> None:
