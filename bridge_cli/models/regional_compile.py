@@ -31,7 +31,7 @@ def compile_layers(chunks: list) -> None:
     for chunk in chunks:
         for module in chunk.modules():
             if isinstance(module, TransformerLayer):
-                module.compile(dynamic=False)
+                module.compile(dynamic=False, **_layer_options(module))
             elif isinstance(module, LanguageModule) and module.post_process:
                 # the cross entropy over the vocabulary: its fp32 passes over the logits fuse
                 if getattr(module.config, "fused_linear_cross_entropy", False):  # chunk by chunk, between GEMMs
@@ -39,3 +39,16 @@ def compile_layers(chunks: list) -> None:
                 elif not cross_entropy.selected(module.config):  # that one is two kernels already
                     module.compute_language_model_loss = torch.compile(module.compute_language_model_loss,
                                                                        dynamic=False)
+
+
+def _layer_options(layer) -> dict:
+    """torch.compile's options for one layer. Where SDPA runs as its math (matmul, softmax, matmul: on the CPU, or
+    ``model.sdpa_backend=math``), inductor's attention-fusion patterns rewrite it back into one SDPA call, and with
+    multi-latent attention's value heads of another size than its query and key heads torch 2.13's replacement
+    fails to trace ("Expected size for first two dimensions of batch2 tensor"): there the pattern matcher is off.
+    SDPA's fused kernels on CUDA are one op already, which no pattern rewrites."""
+    config = layer.config
+    on_cuda = any(p.is_cuda for p in layer.parameters())
+    if getattr(config, "multi_latent_attention", False) and (not on_cuda or config.sdpa_backend == "math"):
+        return {"options": {"pattern_matcher": False}}
+    return {}

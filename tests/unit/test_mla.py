@@ -111,3 +111,25 @@ def test_the_masked_kernels_take_value_heads_of_another_size():
     # a sink of -inf weighs nothing: the written-out softmax with sinks is the plain one
     sinkless = kernels.dense(q, k, v, torch.ones(16, 16, dtype=torch.bool).tril(), 0.3, torch.full((2,), -1e9), 0.0)
     torch.testing.assert_close(sinkless, expected, rtol=0, atol=1e-5)
+
+
+def test_compiled_layers_equal_eager_on_the_cpu(one_process):
+    """model.compile_layers with MLA on the CPU, where SDPA is traced as its math: inductor's attention-fusion
+    pattern assumes one head size and failed to trace MLA's two (regional_compile turns it off there)."""
+    from bridge_cli.models.regional_compile import compile_layers
+
+    tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(16).expand(2, -1)
+    runs = []
+    for compiled in (False, True):
+        model = mla_model(q_lora_rank=24, v_head_dim=16).train()
+        if compiled:
+            torch._dynamo.reset()
+            compile_layers([model])
+        logits = model(tokens, positions, None)
+        logits.log_softmax(-1).mean().backward()
+        runs.append((logits.detach(), [p.grad for p in model.parameters()]))
+    (eager, eager_grads), (got, grads) = runs
+    torch.testing.assert_close(got, eager, rtol=1e-5, atol=1e-5)
+    for a, b in zip(grads, eager_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
