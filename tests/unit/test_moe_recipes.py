@@ -23,7 +23,7 @@ CASES = [(recipe, world, []) for recipe in ("qwen3_30b_a3b", "mixtral_8x7b", "ol
 CASES += [("deepseek_v3", world, overrides) for world, overrides in DEEPSEEK_SMALLER.items()]
 CASES += [("moe_proxy", world, [f"train.global_batch_size={2 * world}"]) for world in (1, 8, 64, 256)]
 CASES += [("moonlight_16b_a3b", world, []) for world in (8, 64, 256)]
-CASES += [("deepseek_proxy", 1, [])]
+CASES += [("deepseek_proxy", world, [f"train.global_batch_size={max(32, world)}"]) for world in (1, 8, 64, 256)]
 
 
 @pytest.mark.parametrize("recipe, world, overrides", CASES, ids=[f"{r}-{w}" for r, w, _ in CASES])
