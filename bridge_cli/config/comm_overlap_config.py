@@ -147,9 +147,9 @@ def _te_importable() -> bool:
 
 
 def _refuse_userbuffers(overlap: CommOverlapConfig) -> None:
-    from bridge_cli.runtime.launcher_fields import NOT_SET_UP
+    from bridge_cli.config.unsupported import REFUSED
 
-    why = NOT_SET_UP["tp_comm_overlap"]
+    why = REFUSED["model.tp_comm_overlap"].why
     if not _te_importable():
         why += "; and transformer_engine does not import here"
     if overlap.tp_comm_overlap:

@@ -124,7 +124,8 @@ def validate_and_derive(cfg, world_size: int, device: str, previous: Optional[De
     dp = data_parallel_size(cfg.model, world_size)
     comm_overlap = apply_comm_overlap(cfg, dp)
     _check_model_shape(cfg.model)
-    check_launcher_fields(cfg.model, cfg.ddp, device)
+    check_unsupported(cfg, launcher=True)  # after comm_overlap, which may set them
+    check_launcher_fields(cfg.model, device)
     check_moe(cfg.model, world_size)
     global_batch, microbatches = _batches(cfg.train, dp)
     _check_gradient_norm_logging(cfg, dp)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from bridge_cli.config.schema import DATASETS, PEFT, SECTIONS
-from bridge_cli.config.unsupported import UNSUPPORTED
+from bridge_cli.config import unsupported
 
 PACKAGE = Path(__file__).resolve().parents[2] / "bridge_cli"
 DEFINITIONS = {  # the modules that declare the sections' fields
@@ -43,7 +43,7 @@ def passed_to_megatron_core_datasets() -> set[str]:
 
 
 def is_unsupported(section: str, name: str) -> bool:
-    return section in UNSUPPORTED or f"{section}.{name}" in UNSUPPORTED
+    return section in unsupported.REFUSED or f"{section}.{name}" in unsupported.REFUSED
 
 
 def test_every_field_is_read_or_refused():
@@ -59,9 +59,28 @@ def test_every_field_is_read_or_refused():
     assert not silent, f"accepted and never read: {silent}; read them or list them in config/unsupported.py"
 
 
-def test_unsupported_keys_exist_in_the_schema():
+def test_every_refused_key_is_a_schema_field():
+    from bridge_cli.config.schema import mcore_sections
+
     keys = {f"{section}.{f.name}" for section, _, f in schema_fields()} | {s for s, _, _ in schema_fields()}
-    assert not set(UNSUPPORTED) - keys
+    keys |= {f"{section}.{f.name}" for section, cls in mcore_sections().items() for f in dataclasses.fields(cls)}
+    assert not set(unsupported.REFUSED) - keys
+
+
+@pytest.mark.parametrize("key", [key for key, refused in unsupported.REFUSED.items() if refused.launcher])
+def test_setting_a_launcher_field_is_a_config_error(key):
+    """The model fields Megatron-LM's launcher acts on: refused once comm_overlap has written its fields."""
+    from bridge_cli.config.compose import compose
+    from bridge_cli.config.errors import ConfigError
+    from bridge_cli.training.config import ConfigContainer
+
+    cfg = ConfigContainer.from_yaml_dict(compose("tiny", []))
+    name = key.split(".", 1)[1]
+    f = next(f for f in dataclasses.fields(cfg.model) if f.name == name)
+    setattr(cfg.model, name, True if f.type in (bool, "bool") else non_default(f))
+    with pytest.raises(ConfigError) as err:
+        cfg.validate(1, "cpu")
+    assert err.value.key == key and unsupported.REFUSED[key].message() in str(err.value)
 
 
 def non_default(f: dataclasses.Field):
@@ -97,9 +116,20 @@ def test_setting_an_unsupported_field_is_a_config_error(section, name):
     setattr(getattr(cfg, section), name, non_default(f))
     with pytest.raises(ConfigError) as err:
         cfg.validate(1, "cpu")
-    assert err.value.key == f"{section}.{name}" and "not supported" in str(err.value)
+    refused = unsupported.REFUSED.get(f"{section}.{name}") or unsupported.REFUSED[section]
+    assert err.value.key == f"{section}.{name}" and refused.message() in str(err.value)
 
 
 def test_a_user_sees_the_refusal_from_the_cli(cli):
     result = cli("pretrain", "recipe=tiny", "rng.te_rng_tracker=true")
     assert result.exit_code == 2 and "error: rng.te_rng_tracker: is not supported" in result.stderr, result.output
+
+
+def test_the_docs_list_of_refused_fields_is_the_table():
+    from bridge_cli.config.unsupported import markdown
+    from tests.conftest import REPO
+
+    page = (REPO / "docs" / "running.md").read_text()
+    listed = page.split("<!-- refused fields: python -m bridge_cli.config.unsupported -->\n", 1)[1]
+    listed = listed.split("<!-- end of refused fields -->", 1)[0]
+    assert listed == markdown(), "docs/running.md's refused fields are stale: python -m bridge_cli.config.unsupported"
