@@ -88,7 +88,8 @@ def titan_shape(recipe: str, overrides: list[str]) -> list[str]:
               # without YaRN: no scaling, as torchtitan skips YaRN where seq <= its original length
               f"--rope-factor={m.rotary_scaling_factor if yarn else 1.0}",
               f"--original-seq={m.original_max_position_embeddings if yarn else m.seq_length}",
-              f"--beta-fast={int(m.beta_fast)}", f"--beta-slow={int(m.beta_slow)}", f"--mscale={m.mscale_all_dim}"]
+              f"--beta-fast={int(m.beta_fast)}", f"--beta-slow={int(m.beta_slow)}",
+              f"--mscale={m.mscale_all_dim if yarn else 1.0}"]
     return [*flags, f"--local-batch={cfg.train.micro_batch_size}", f"--global-batch={cfg.train.global_batch_size}"]
 
 
