@@ -342,8 +342,9 @@ def test_import_writes_a_checkpoint_and_recipe_in_the_project_layout(imported):
         assert model["share_embeddings_and_output_weights"] == (name in ("qwen2", "gemma3_text", "gemma2", "gemma",
                                                                          "starcoder2", "gpt2"))
         assert model.get("rope_scaling") == (None if name == "gpt2" else name == "llama")
-        assert model["qk_layernorm"] == (name in ("qwen3", "qwen3_moe", "olmoe", "gemma3_text", "olmo2", "deepseek_v3"))
-        assert model.get("num_moe_experts") == (4 if name in MOE else None)
+        assert model["qk_layernorm"] == (name in ("qwen3", "qwen3_moe", "olmoe", "gemma3_text", "olmo2", "deepseek_v3",
+                                                  "deepseek_v2"))
+        assert model.get("num_moe_experts") == ({"deepseek_v2": 8}.get(name, 4) if name in MOE else None)
         assert model.get("rotary_percent") == {"phi3": 0.5, "glm4": 0.5, "stablelm": 0.25, "gpt2": None}.get(name, 1.0)
         assert model.get("rotary_interleaved", False) == (name == "glm4")
         assert model["seq_length"] == 128  # a sliding window (8) caps it no longer
@@ -387,6 +388,11 @@ def test_import_writes_a_checkpoint_and_recipe_in_the_project_layout(imported):
             deepseek["qk_head_dim"], deepseek["qk_pos_emb_head_dim"], deepseek["v_head_dim"]) == (True, 24, 16, 16, 8, 24)
     assert (deepseek["rope_type"], deepseek["rotary_scaling_factor"], deepseek["original_max_position_embeddings"],
             deepseek["mscale"], deepseek["mscale_all_dim"]) == ("yarn", 4.0, 32, 0.707, 1.0)
+    v2 = yaml.safe_load((imported["deepseek_v2"] / "recipe.yaml").read_text())["model"]
+    assert (v2["moe_router_score_function"], v2["moe_router_pre_softmax"], v2["moe_router_dtype"],
+            v2["moe_router_enable_expert_bias"], v2["moe_router_num_groups"], v2["moe_router_group_topk"],
+            v2["moe_router_topk_scaling_factor"], v2["moe_shared_expert_intermediate_size"], v2["mtp_num_layers"],
+            v2["mscale"], v2["mscale_all_dim"]) == ("softmax", True, "fp32", False, 4, 2, 2.5, 96, None, 0.707, 0.707)
     gpt_oss = yaml.safe_load((imported["gpt_oss"] / "recipe.yaml").read_text())["model"]
     assert (gpt_oss["position_embedding_type"], gpt_oss["yarn_rotary_scaling_factor"],
             gpt_oss["yarn_correction_range_round_to_int"]) == ("yarn", 32.0, False)
