@@ -15,8 +15,9 @@ The defaults are DeepSeek-V3's head dims at torchtitan's 16B flavor's width (hid
 1536, kv_lora_rank 512, qk 128 + 64 RoPE, v 128), 64 experts of FFN 1408 top-6 in 8 groups (3 a token), one
 shared expert, one dense layer of FFN 10944, 8 layers, vocab 102400, seq 4096; micro-batch 2, global batch 32.
 On one GPU torchtitan applies no FSDP: bf16 is autocast and weights, gradients and AdamW states stay fp32.
-Compiled as torchtitan compiles DeepSeek-V3 for its users (each block's attention, norms and router, and the
-loss; the experts and the MoE layer's gather and scatter eager). Attention is torchtitan's SDPA wrapper (cuDNN,
+Compiled as torchtitan 0.2.2 compiles DeepSeek-V3 for its users (llama4's apply_compile: the dense block whole; in
+an MoE block the attention, norms, router and shared expert, and the routed experts' grouped-GEMM function, while
+the experts module and the MoE layer's gather and scatter stay eager; and the loss). Attention is torchtitan's SDPA wrapper (cuDNN,
 then flash, then math) with a causal mask, as bridge's mock data has no document boundaries; ``--attn flex``
 takes its FlexAttention (what its 16B flavor ships, block-causal on the EOS token).
 
