@@ -132,9 +132,9 @@ def validate_and_derive(cfg, world_size: int, device: str, previous: Optional[De
     _check_sequence_length(cfg)
     check_attention(cfg)
     check_low_precision(cfg, cfg.model.spec or default_spec_name(), device)
-    _check_layer_spec(cfg.model, device)
     check_layer_options(cfg.model)
     check_wgrad_accumulation(cfg.model)
+    _check_layer_spec(cfg.model, device)  # after the options' own rules, which name the option
     ckpt = cfg.checkpoint
     check_output_folders([("checkpoint.save", ckpt.save), ("logger.tensorboard_dir", cfg.logger.tensorboard_dir),
                           ("logger.wandb_save_dir", cfg.logger.wandb_save_dir),

@@ -16,7 +16,9 @@ from tests.unit.test_cli_errors import assert_user_error
     (["model.spec=local", "model.sdpa_backend=flash"], ["model.sdpa_backend=flash applies to the torch layer spec only"]),
     (["model.spec=foo"], ["model.spec: 'foo' is not a layer spec", "te, local, torch"]),
     (["model.spec=local", "model.multi_latent_attention=true"],
-     ["model.multi_latent_attention=true needs model.spec=torch"]),
+     ["model.multi_latent_attention: needs the torch or te layer spec"]),
+    (["model.multi_latent_attention=true", "model.fp8=hybrid", "model.bf16=true", "model.spec=torch", "--device", "cuda"],
+     ["model.fp8=hybrid with model.multi_latent_attention=true is not supported by the torch spec"]),
 ])
 def test_dry_run_refuses_the_layer_spec_rules(cli, args, fragments):
     assert_user_error(cli("pretrain", "recipe=tiny", *args, "--dry-run"), *fragments)
