@@ -50,8 +50,19 @@ def _validated_recipe(recipe: Path, world_size: int):
     from bridge_cli.training.config import ConfigContainer
 
     cfg = ConfigContainer.from_yaml_dict(compose(str(recipe), []))
-    cfg.validate(world_size, "cuda" if needs_cuda(cfg) else None)
+    cfg.validate(_fitting_world(cfg.model, world_size), "cuda" if needs_cuda(cfg) else None)
     return cfg
+
+
+def _fitting_world(model, world_size: int) -> int:
+    """The fewest ranks, a multiple of ``world_size``, that the recipe's layout fits: an expert-parallel recipe
+    (mixtral_8x7b at EP=8) is checked at a world its experts divide, as it will train, not at TP x PP."""
+    import math
+
+    dense = model.tensor_model_parallel_size * model.pipeline_model_parallel_size * model.context_parallel_size
+    experts = ((model.expert_tensor_parallel_size or model.tensor_model_parallel_size)
+               * model.expert_model_parallel_size * model.pipeline_model_parallel_size)
+    return math.lcm(world_size, dense, experts)
 
 
 @app.command("export-hf")

@@ -102,3 +102,17 @@ def test_debug_shows_the_traceback(cli):
 def test_valid_config_exits_zero_quietly(cli):
     result = cli("config", "validate", "recipe=tiny", "train.train_iters=10")
     assert result.exit_code == 0 and result.output == ""
+
+
+def test_import_checks_an_expert_parallel_recipe_at_a_world_its_layout_fits():
+    """import-hf validates the recipe it writes; mixtral_8x7b (TP=2, EP=8) fits 8 ranks, not TP x PP = 2."""
+    from types import SimpleNamespace
+
+    from bridge_cli.cli.convert_cmd import _fitting_world
+
+    model = SimpleNamespace(tensor_model_parallel_size=2, pipeline_model_parallel_size=1, context_parallel_size=1,
+                            expert_tensor_parallel_size=1, expert_model_parallel_size=8)
+    assert _fitting_world(model, 2) == 8
+    dense = SimpleNamespace(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, context_parallel_size=1,
+                            expert_tensor_parallel_size=None, expert_model_parallel_size=1)
+    assert _fitting_world(dense, 4) == 4
