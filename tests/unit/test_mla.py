@@ -113,6 +113,7 @@ def test_the_masked_kernels_take_value_heads_of_another_size():
     torch.testing.assert_close(sinkless, expected, rtol=0, atol=1e-5)
 
 
+@pytest.mark.slow  # inductor compiles two layers: 5 s on 2 cores
 def test_compiled_layers_equal_eager_on_the_cpu(one_process):
     """model.compile_layers with MLA on the CPU, where SDPA is traced as its math: inductor's attention-fusion
     pattern assumes one head size and failed to trace MLA's two (regional_compile turns it off there)."""
