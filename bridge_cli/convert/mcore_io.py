@@ -25,6 +25,9 @@ SINGLE_PROCESS = {
     "account_for_embedding_in_pipeline_split": False, "account_for_loss_in_pipeline_split": False,
     # Layer names differ between specs only in the module tree; the checkpoint keys are the same.
     "spec": "torch",
+    # Experts one module each (SequentialMLP), as the mapping names them: without Transformer Engine a grouped-GEMM
+    # recipe would build megatron-core's legacy GroupedMLP (weight1/weight2); the checkpoint keys are the same.
+    "moe_grouped_gemm": False,
     # Every weight is overwritten, so skip drawing random ones (minutes for a large model).
     "use_cpu_initialization": True, "perform_initialization": False,
 }

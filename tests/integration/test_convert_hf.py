@@ -786,3 +786,18 @@ def test_an_imported_deepseek_v3_trains_on_documents_under_context_parallelism(i
                                       "dataset.reset_attention_mask=true", "dataset.reset_position_ids=true")
     assert len(curves[0][0]) == 3 and curves[1][0] == pytest.approx(curves[0][0], rel=1e-5), curves
     assert curves[1][1] == pytest.approx(curves[0][1], abs=2e-3), curves
+
+
+@pytest.mark.slow
+def test_an_import_onto_a_grouped_gemm_recipe_maps_its_experts(work, hf_dirs):
+    """A recipe with grouped-GEMM experts (moe_proxy) as import-hf's base: without Transformer Engine megatron-core
+    would build its legacy GroupedMLP (weight1/weight2), which the mapping does not name; the import builds the
+    experts one module each (their checkpoint keys load into grouped experts) and the export gives them back."""
+    ckpt, out = work / "onto_moe_proxy", work / "onto_moe_proxy_hf"
+    ok(bridge("convert-ckpt", "import-hf", str(hf_dirs["mixtral"]), str(ckpt), "--recipe", "moe_proxy"))
+    assert yaml.safe_load((ckpt / "recipe.yaml").read_text())["model"].get("moe_grouped_gemm", True) is not False
+    ok(bridge("convert-ckpt", "export-hf", str(ckpt), str(out)))
+    original, exported = safetensors_of(hf_dirs["mixtral"]), safetensors_of(out)
+    assert sorted(exported) == sorted(original)
+    for key, tensor in original.items():  # moe_proxy trains in bf16: the import keeps its weights in bf16
+        assert torch.equal(exported[key].float(), tensor.to(exported[key].dtype).float()), key
