@@ -42,7 +42,8 @@ import os
 import time
 from types import SimpleNamespace
 
-from titan_harness import common_arguments, emit, measurements, register_bench_spec, round_or_none, start, train
+from titan_harness import (common_arguments, emit, measurements, per_gpu_rates, register_bench_spec, round_or_none,
+                            start, train)
 
 
 def parse_args(argv=None):
@@ -132,8 +133,7 @@ def main(argv=None):
     m = measurements(a, trainer, step_s, use_cuda)
 
     fpt = bridge_flops_per_token(a)
-    tps_gpu = a.global_batch * a.seq / m.pop("step_s_median") / world
-    tflops_gpu = fpt * tps_gpu / 1e12
+    rates = per_gpu_rates(a, m, fpt, world)
     r = round_or_none
     emit({
         "trainer": "torchtitan",
@@ -144,9 +144,7 @@ def main(argv=None):
         "gpus": world,
         "mbs": a.local_batch,
         "gbs": a.global_batch,
-        "tokens_per_s_per_gpu": r(tps_gpu),
-        "tflops_per_s_per_gpu": r(tflops_gpu, 2),
-        "mfu_pct": r(100 * tflops_gpu / a.peak_tflops, 2),  # activated FLOPs, percent of --peak-tflops
+        **rates,
         **m,
         "flops_per_token": fpt,
         "load_balance": a.load_balance,

@@ -400,6 +400,15 @@ def measurements(a, trainer, step_s, use_cuda):
     }
 
 
+def per_gpu_rates(a, m, flops_per_token, world):
+    """tokens/s, TFLOP/s (``flops_per_token``: bridge's formula) and MFU per GPU of a run of ``a.global_batch``
+    sequences a step, from ``measurements()``'s median step, which it takes out of ``m``."""
+    tokens = a.global_batch * a.seq / m.pop("step_s_median") / world
+    tflops = flops_per_token * tokens / 1e12
+    return {"tokens_per_s_per_gpu": round_or_none(tokens), "tflops_per_s_per_gpu": round_or_none(tflops, 2),
+            "mfu_pct": round_or_none(100 * tflops / a.peak_tflops, 2)}  # activated FLOPs, percent of --peak-tflops
+
+
 def emit(res, json_out):
     """Rank 0 prints the JSON line as the last line of stdout (and writes it to ``json_out``); then the
     process group ends."""
