@@ -59,10 +59,9 @@ def _fitting_world(model, world_size: int) -> int:
     (mixtral_8x7b at EP=8) is checked at a world its experts divide, as it will train, not at TP x PP."""
     import math
 
-    dense = model.tensor_model_parallel_size * model.pipeline_model_parallel_size * model.context_parallel_size
-    experts = ((model.expert_tensor_parallel_size or model.tensor_model_parallel_size)
-               * model.expert_model_parallel_size * model.pipeline_model_parallel_size)
-    return math.lcm(world_size, dense, experts)
+    from bridge_cli.runtime.parallel_layout import model_world_step
+
+    return math.lcm(world_size, model_world_step(model))
 
 
 @app.command("export-hf")

@@ -7,9 +7,23 @@ without a collective.
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 MAX_GROUPS_SHOWN = 8
+
+
+def world_step(tp: int, pp: int, cp: int, ep: int, etp: int) -> int:
+    """The fewest ranks a layout fits (every world it runs on is a multiple): its dense groups (TP x PP x CP) and
+    its expert groups (expert-TP x EP x PP) both divide the world."""
+    return math.lcm(tp * pp * cp, etp * ep * pp)
+
+
+def model_world_step(model) -> int:
+    """:func:`world_step` of a model config's sizes (expert-TP defaults to TP, as megatron-core's does)."""
+    tp = model.tensor_model_parallel_size
+    return world_step(tp, model.pipeline_model_parallel_size, model.context_parallel_size,
+                      model.expert_model_parallel_size, model.expert_tensor_parallel_size or tp)
 
 
 def _groups(ranks: list[list[int]]) -> str:

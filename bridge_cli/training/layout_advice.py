@@ -8,10 +8,10 @@ between may not. The settings offered are each re-estimated: only those that bri
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional
 
+from bridge_cli.runtime.parallel_layout import world_step
 from bridge_cli.training.memory_estimate import (DISTILL_LOGIT_BYTES, GIB, MemoryEstimate, RunShape, estimate,
                                                  fsdp_shards, shape_of, with_changes)
 
@@ -171,7 +171,7 @@ def _kinds(s: RunShape) -> list[list[tuple[str, RunShape]]]:
 def _layout(s: RunShape, label: str, **sizes) -> Optional[tuple[str, RunShape]]:
     """A layout change on the same GPUs when its sizes divide them, else on the fewest that fit it."""
     t = with_changes(s, **sizes)
-    step = math.lcm(t.tp * t.pp * t.cp, t.etp * t.ep * t.pp)
+    step = world_step(t.tp, t.pp, t.cp, t.ep, t.etp)
     world = s.world if s.world % step == 0 else -(-s.world // step) * step
     t = with_changes(t, world=world)
     if t.global_batch % (t.micro_batch * t.dp):

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 
 from bridge_cli.config import recipes
 from bridge_cli.config.compose import compose
+from bridge_cli.runtime.parallel_layout import model_world_step
 from bridge_cli.training.config import ConfigContainer
 
 
@@ -19,10 +18,7 @@ def container(recipe: str, *overrides: str, world_size: int = 1) -> ConfigContai
 
 def smallest_world(name: str) -> int:
     """The fewest processes the recipe's parallel layout fits (1 for the single-device recipes)."""
-    m = ConfigContainer.from_yaml_dict(compose(name, [])).model
-    stages = m.tensor_model_parallel_size * m.pipeline_model_parallel_size * m.context_parallel_size
-    experts = (m.expert_tensor_parallel_size or m.tensor_model_parallel_size) * m.expert_model_parallel_size
-    return math.lcm(stages, experts * m.pipeline_model_parallel_size)
+    return model_world_step(ConfigContainer.from_yaml_dict(compose(name, [])).model)
 
 
 @pytest.mark.parametrize("name", sorted(recipes.available()))
