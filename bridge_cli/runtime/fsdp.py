@@ -191,7 +191,7 @@ def wrap_fsdp(model_chunks: list, ddp_config, torch_fsdp2: bool, device) -> list
     """Each model chunk in megatron-core's FSDP wrapper (``torch_fsdp2``: torch's, else Megatron-FSDP).
 
     The chunks hold the same weights on every data-parallel rank (every rank draws them from the same seed, as
-    under DDP, which broadcasts them anyway); the wrappers keep each rank's shard.
+    under DDP, which broadcasts them anyway); the wrappers keep each rank's shard and broadcast nothing.
     """
     from megatron.core.utils import get_model_config
 
@@ -208,12 +208,12 @@ def wrap_fsdp(model_chunks: list, ddp_config, torch_fsdp2: bool, device) -> list
                                  "imports to build its device meshes: pip install einops (or bridge-cli[megatron-fsdp]).")
     from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
 
-    wrapped = [FullyShardedDataParallel(config=get_model_config(chunk), ddp_config=ddp_config, module=chunk,
-                                        disable_bucketing=index > 0)
-               for index, chunk in enumerate(model_chunks)]
-    for chunk in wrapped:
-        chunk.broadcast_params()
-    return wrapped
+    # No broadcast_params() after wrapping, unlike DDP: the parameters are now DTensor shards, which torch cannot
+    # broadcast ("c10d.broadcast_ has no sharding strategy", megatron-core 0.19), and a broadcast of rank 0's
+    # shard would overwrite the other ranks' shards. Megatron-LM broadcasts only with data_parallel_random_init.
+    return [FullyShardedDataParallel(config=get_model_config(chunk), ddp_config=ddp_config, module=chunk,
+                                     disable_bucketing=index > 0)
+            for index, chunk in enumerate(model_chunks)]
 
 
 @functools.cache
