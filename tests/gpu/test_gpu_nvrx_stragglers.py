@@ -29,8 +29,9 @@ BUSY = "import torch\na = torch.randn(8192, 8192, device='cuda')\nwhile True:\n 
 
 
 def slowed_gpu_1():
-    """A process that keeps GPU 1 busy until killed."""
-    return subprocess.Popen([sys.executable, "-c", BUSY], env={**os.environ, "CUDA_VISIBLE_DEVICES": "1"})
+    """A process that keeps rank 1's GPU (the second visible one) busy until killed."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0,1").split(",")
+    return subprocess.Popen([sys.executable, "-c", BUSY], env={**os.environ, "CUDA_VISIBLE_DEVICES": visible[1]})
 
 
 def run_with_gpu_1_slowed(*args: str) -> subprocess.CompletedProcess:
