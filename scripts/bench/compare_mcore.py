@@ -48,6 +48,11 @@ ITER_LINE = re.compile(r"^iteration\s+(\d+)/\d+ \| .*?elapsed ms/iter ([0-9.]+) 
 PEAK = re.compile(r"memory at the end of training .*peak allocated ([0-9.]+) GiB")
 START_UP = re.compile(r"^start-up .*$", re.M)
 FIRST_ITERATION = re.compile(r"^iteration\s+1/")  # bridge's first step's log line, for run()
+# bridge's own one-line error (every rank prints it), else the last exception's line (torchrun prefixes "[rankN]: ")
+BRIDGE_ERROR = re.compile(r"^(?:\[rank\d+\]:\s*)?(error: .*)$", re.M)
+EXCEPTION = re.compile(r"^(?:\[rank\d+\]:\s*)?((?:[\w.]+\.)?\w*(?:Error|Exception)\b:? .*)$", re.M)
+HEADER = (f"{'run':<16} {'ms/step':>8} {'tok/s/gpu':>10} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>9} {'wall s':>7} "
+          f"{'1st step s':>10} {'tok/s ratio':>11} {'mem ratio':>9} {'1st ratio':>9}")  # row()'s columns
 
 PROXY_OVERRIDES = [
     "recipe=llama1b", "model.share_embeddings_and_output_weights=false", "model.spec=torch",
@@ -86,8 +91,18 @@ def run(argv: list[str], first_step: re.Pattern) -> tuple[str, float, float]:
     stdout, stderr = "".join(out), "".join(err)
     if process.wait():
         print(f"{' '.join(argv)} failed:\n{stdout[-2000:]}\n{stderr[-2000:]}", file=sys.stderr)
-        raise RunFailed((stderr.strip() or stdout.strip() or "no output").splitlines()[-1][:120])
+        raise RunFailed(error_line(stdout, stderr))
     return stdout, time.time() - start, seen[0] if seen else float("nan")
+
+
+def error_line(stdout: str, stderr: str) -> str:
+    """The line that says why a run failed: bridge's ``error: ...``, else the last exception that is not torchrun's
+    report of its failed workers (ChildFailedError), else the last line of output."""
+    bridge_error = BRIDGE_ERROR.search(stderr) or BRIDGE_ERROR.search(stdout)
+    exceptions = [e for e in EXCEPTION.findall(stderr) if "ChildFailedError" not in e]
+    line = (bridge_error.group(1) if bridge_error else exceptions[-1] if exceptions else
+            (stderr.strip() or stdout.strip() or "no output").splitlines()[-1])
+    return line.strip()[:200]
 
 
 def warm_file_cache(titan: bool) -> None:
@@ -188,11 +203,9 @@ def main() -> None:
         runs[f"bridge docs{args.documents} masked"] = lambda: bridge(
             args.steps, args.warmup, data + ["dataset.reset_attention_mask=true", "dataset.reset_position_ids=true"])
 
-    header = (f"{'run':<16} {'ms/step':>8} {'tok/s/gpu':>10} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>9} {'wall s':>7} "
-              f"{'1st step s':>10} {'tok/s ratio':>11} {'mem ratio':>9} {'1st ratio':>9}")
     warm_file_cache(bool(args.titan))
     results: dict[str, dict] = {}
-    print(header, flush=True)
+    print(HEADER, flush=True)
     for name, measure in runs.items():  # each row as its run ends, so a cut-off command still reports
         try:
             results[name] = measure()
@@ -200,7 +213,7 @@ def main() -> None:
             results[name] = {"error": str(failure)}
         print(row(name, results[name], results.get("bare mcore")), flush=True)
     folder.cleanup()
-    print(f"\n{header}")
+    print(f"\n{HEADER}")
     for name, r in results.items():
         print(row(name, r, results["bare mcore"]))
     print("(1st step s: from the launch to the first step's log line, compilation included; ratios: each run / bare "

@@ -1,6 +1,7 @@
 """What run_titan.py and run_titan_moe.py, in this folder, share: torchtitan 0.2.2's Trainer run as its users run
 it, with a model flavor of the caller's, a dummy tokenizer, synthetic tokens, per-step wall clock and one JSON
-line of results; and what lets the same code run as a dry run on a CPU (gloo, no triton). Not a script.
+line of results; and what lets the same code run as a dry run on a CPU (gloo, no triton). Also what the scripts
+that run them beside bridge share (shape_flags: bridge's shape as their flags). Not a script.
 """
 import argparse
 import dataclasses
@@ -11,6 +12,19 @@ import socket
 import statistics
 import sys
 import time
+
+
+def shape_flags(script, titan_model, recipe, model, flag_of, fixed, unlike=()):
+    """The flags of a run_titan*.py script for bridge's composed ``model`` of ``recipe`` (``flag_of``: bridge's model
+    field -> the script's flag). Where ``model`` sets a field otherwise than ``titan_model`` has it fixed (``fixed``:
+    field -> torchtitan's value), or the caller found more it cannot match (``unlike``), ``script`` stops with exit 2
+    naming each one, before anything runs."""
+    unlike = [*(f"model.{field}={model.get(field)} ({titan_model}: {value})"
+                for field, value in fixed.items() if model.get(field) != value), *unlike]
+    if unlike:
+        print(f"{script}: {titan_model} cannot take the shape of recipe={recipe}: " + ", ".join(unlike), file=sys.stderr)
+        sys.exit(2)
+    return [f"{flag}={model[field]}" for field, flag in flag_of.items()]
 
 
 def common_arguments(parser, compile_default=False):

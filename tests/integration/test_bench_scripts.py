@@ -28,7 +28,7 @@ GPU_ONLY = {  # each with the arguments of its CPU refusal test
     # past its argument checks: its --baseline and --titan defaults, the scripts beside it, exist
     "compare_mcore.py": ["--titan"],
 }
-CPU_RUNS = ["deepseek_speed.py", "kernel_breakdown.py", "layouts.py", "linear_cross_entropy.py", "moe_ep.py", "moe_experts.py",
+CPU_RUNS = ["deepseek_speed.py", "dense_scale.py", "kernel_breakdown.py", "layouts.py", "linear_cross_entropy.py", "moe_ep.py", "moe_experts.py",
             "sft_packing.py"]
 NOT_RUN = {  # --help only, and why
     "convert_memory.py": "its real run builds a 1.24B-parameter model (8 GB of disk); test_convert_memory.py "
@@ -171,6 +171,62 @@ def test_titan_moe_model_has_bridges_parameter_count(monkeypatch):
     assert counted == estimate_memory(bridge_moe_proxy("model.num_layers=2"), 1).parameters == 1_247_554_048
 
 
+@no_torchtitan
+def test_dense_scale_titan_without_torchtitan_says_what_to_install():
+    """Before any run of bridge's: a comparison that cannot end is not started."""
+    result = python(str(BENCH / "dense_scale.py"), "--gpus", "2", "--titan", timeout=60)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert "dense_scale.py --titan runs torchtitan 0.2.2, which is not installed" in result.stderr
+    assert result.stdout == ""
+
+
+def test_dense_scale_hands_torchtitan_llama8bs_shape(monkeypatch):
+    """The flags of the hand-made 4-GPU torchtitan run (Llama-3 8B, micro-batch 1, global batch 16), and bridge's
+    FLOPs per token of the shape, as bridge's log counts them."""
+    from bridge_cli.models.flops import num_floating_point_operations
+    from bridge_cli.training.config import ConfigContainer
+    from bridge_cli.config.compose import compose
+
+    dense_scale = bench_module(monkeypatch, "dense_scale")
+    overrides = dense_scale.with_defaults([], 12)
+    assert "train.global_batch_size=16" in overrides and "scheduler.lr_decay_iters=12" in overrides
+    assert "train.global_batch_size=32" in dense_scale.with_defaults(["train.global_batch_size=32"], 12)
+    assert "train.global_batch_size=16" not in dense_scale.with_defaults(["train.global_batch_size=32"], 12)
+    flags, global_batch, seq, per_token = dense_scale.titan_shape("llama8b", overrides)
+    assert flags == ["--layers=32", "--hidden=4096", "--heads=32", "--kv-heads=8", "--ffn=14336", "--vocab=128256",
+                     "--seq=8192", "--norm-eps=1e-05", "--rope-theta=500000", "--local-batch=1", "--grad-accum=16"]
+    cfg = ConfigContainer.from_yaml_dict(compose("llama8b", overrides))
+    cfg.validate(4, "cuda")
+    assert (global_batch, seq) == (16, 8192)
+    assert per_token == num_floating_point_operations(cfg.model, 1) / seq
+
+
+def test_dense_scale_refuses_a_shape_llama3_cannot_take(monkeypatch, capsys):
+    dense_scale = bench_module(monkeypatch, "dense_scale")
+    with pytest.raises(SystemExit) as stop:
+        dense_scale.titan_shape("tiny", ["model.kv_channels=16"])
+    assert stop.value.code == 2
+    assert ("dense_scale.py --titan: torchtitan's Llama 3 cannot take the shape of recipe=tiny: "
+            "model.share_embeddings_and_output_weights=True (torchtitan's Llama 3: False), model.kv_channels=16 "
+            "(torchtitan's Llama 3: hidden_size / num_attention_heads = 32)") in capsys.readouterr().err
+
+
+def test_a_failed_run_is_named_by_its_error_line(monkeypatch):
+    """What a table row shows of a run that failed under torchrun: bridge's own error, else the workers' last
+    exception, not torchrun's report of them."""
+    compare_mcore = bench_module(monkeypatch, "compare_mcore")
+    torchrun_tail = ("[rank1]: Traceback (most recent call last):\n[rank1]:   File \"x.py\", line 1, in <module>\n"
+                     "[rank1]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.96 GiB.\n"
+                     "Traceback (most recent call last):\n    raise ChildFailedError(\n"
+                     "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"
+                     "============================================================\n")
+    assert compare_mcore.error_line("", torchrun_tail) == \
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.96 GiB."
+    bridge_error = "error: iteration 1: the GPU ran out of memory (CUDA out of memory).\n"
+    assert compare_mcore.error_line("iteration ...\n", bridge_error + torchrun_tail) == bridge_error.strip()
+    assert compare_mcore.error_line("", "") == "no output"
+
+
 def test_moe_ep_refuses_too_few_iterations():
     result = python(str(BENCH / "moe_ep.py"), "--iters", "3", timeout=60)
     assert result.returncode == 2 and "--iters must be at least 5" in result.stderr, result.stderr[-3000:]
@@ -290,6 +346,43 @@ def test_linear_cross_entropy_on_the_cpu():
     for setting in ("unfused", "fused"):
         assert re.search(rf"^{setting} +[0-9.]+ +[0-9.]+$", out, re.M), out
     assert re.search(r"^fused: -?[0-9.]+ GiB less at its peak, [0-9.]+x the unfused time", out, re.M), out
+
+
+DENSE_SCALE_ON_THE_CPU = ["--gpus", "2", "--recipe", "tiny", "--iters", "3", "--warmup", "1"]
+TINY_UNTIED = ["model.share_embeddings_and_output_weights=false", "train.global_batch_size=8"]
+
+
+@pytest.mark.slow
+def test_dense_scale_on_the_cpu():
+    """Two layouts on two processes train the same model to the same loss; Megatron-FSDP, which needs a GPU, is a
+    row with bridge's error, and the table goes on."""
+    out = succeeded(python(str(BENCH / "dense_scale.py"), *DENSE_SCALE_ON_THE_CPU, "--layout", "tp2", "mfsdp",
+                           "--variant", "fsdp2-dp:dist.use_torch_fsdp2=true,optimizer.use_distributed_optimizer=false,"
+                           "ddp.overlap_grad_reduce=false,model.gradient_accumulation_fusion=false", "--", *TINY_UNTIED,
+                           env=ONE_THREAD, timeout=600))
+    assert re.search(r"^bridge mfsdp +failed: error: ddp.use_megatron_fsdp=true needs a GPU", out, re.M), out
+    assert "Traceback" not in out
+    results = json.loads(out.split("RESULTS ", 1)[1])
+    tp2, fsdp2 = results["bridge tp2"], results["bridge fsdp2-dp"]
+    assert tp2["loss"] == pytest.approx(fsdp2["loss"], rel=1e-4), (tp2, fsdp2)
+    for r in (tp2, fsdp2):
+        assert r["tok_s_gpu"] > 0 and r["wall_s"] > r["to_first_step_s"] > 0, r
+    assert re.search(r"^bridge tp2 +[0-9.]+ +[0-9,]+ .* [0-9.]+$", out, re.M), out
+    assert re.search(r"^  bridge tp2: [0-9.]+ s = -?[0-9.]+ torchrun, interpreters \+ [0-9.]+ start-up \(.*imports.*\) "
+                     r"\+ [0-9.]+ first iteration$", out, re.M), out
+
+
+@pytest.mark.slow
+@with_torchtitan
+def test_dense_scale_titan_on_the_cpu():
+    out = succeeded(python(str(BENCH / "dense_scale.py"), *DENSE_SCALE_ON_THE_CPU, "--layout", "tp2", "--titan",
+                           "--titan-arg=--no-compile", "--", *TINY_UNTIED, env=ONE_THREAD, timeout=900))
+    assert re.search(r"^torchtitan +[0-9.]+ +[0-9,]+ .* 1\.000 +nan +1\.000 +[0-9.]+$", out, re.M), out
+    assert re.search(r"^bridge tp2 +[0-9.]+ +[0-9,]+ .* [0-9.]+ +nan +[0-9.]+ +[0-9.]+$", out, re.M), out
+    assert re.search(r"^  torchtitan: [0-9.]+ s = -?[0-9.]+ torchrun, interpreters, imports \+ [0-9.]+ building the "
+                     r"Trainer \+ [0-9.]+ first step$", out, re.M), out
+    titan = json.loads(out.split("RESULTS ", 1)[1])["torchtitan"]
+    assert titan["tok_s_gpu"] > 0 and math.isfinite(titan["loss"]) and titan["to_first_step_s"] > 0, titan
 
 
 MOE_PROXY_ON_THE_CPU = [  # moe_proxy at a CPU's size, in fp32
