@@ -6,9 +6,13 @@ does:
 - torch FSDP2 is megatron-core's ``TorchFullyShardedDataParallel``: torch's ``fully_shard`` on every transformer
   layer, the embedding and the root module, each parameter a ``DTensor`` sharded on dim 0 over the data-parallel
   group, all-gathered before its module's forward and backward, its gradient reduce-scattered (averaged over the
-  group) in the backward. The optimizer is megatron-core's plain one over the shards; a checkpoint is
-  ``torch_dist``, the shards written as slices of the global tensors, so it loads under any layout. It runs on
-  the CPU (gloo), where megatron-core's wrapper asks for a CUDA device mesh: the mesh is built on the run's device.
+  group) in the backward. The optimizer is megatron-core's plain one over the shards, its Adam kernel
+  (``optimizer.adam_kernel``) stepping each weight's local shard (:func:`local_shard`: the update is elementwise)
+  while its moments stay DTensors; a checkpoint is ``torch_dist``, the shards written as slices of the global
+  tensors, so it loads under any layout. With ``model.compile_layers`` each layer is compiled before
+  ``fully_shard`` hooks onto it, as torchtitan orders them, and the hooks stay out of the layer's graph (torch
+  keeps dynamo out of them): they gather and free the weights around one compiled forward. It runs on the CPU
+  (gloo), where megatron-core's wrapper asks for a CUDA device mesh: the mesh is built on the run's device.
 - Megatron-FSDP is megatron-core's ``FullyShardedDataParallel`` (mcore_fsdp_adapter): its own buffers, CUDA streams
   and events, ``ddp.data_parallel_sharding_strategy`` choosing what is sharded (``no_shard``, ``optim``,
   ``optim_grads``, ``optim_grads_params``), with megatron-core's distributed optimizer over those buffers. GPU only.
@@ -82,10 +86,6 @@ def check_fsdp(cfg, device: str) -> None:
         _check_torch_fsdp2(cfg)
     else:
         _check_megatron_fsdp(cfg, device)
-    if m.compile_layers:
-        raise ConfigError(kind, "does not work with model.compile_layers=true yet: bridge compiles each layer's "
-                          "forward in place, and FSDP hooks its all-gathers onto the same modules (not run together "
-                          "yet).", f"Set model.compile_layers=false, or unset {kind}.")
     shards_weights = kind == TORCH_FSDP2 or cfg.ddp.data_parallel_sharding_strategy == "optim_grads_params"
     if shards_weights and cfg.train.check_weight_hash_across_dp_replicas_interval:
         raise ConfigError(kind, "does not work with train.check_weight_hash_across_dp_replicas_interval: the "
@@ -95,10 +95,6 @@ def check_fsdp(cfg, device: str) -> None:
     if cfg.logger.log_params_norm:
         raise ConfigError(kind, "does not work with logger.log_params_norm=true: bridge's norm sums whole weights, "
                           "and FSDP's are shards.", f"Set logger.log_params_norm=false, or unset {kind}.")
-    if device == "cuda" and cfg.optimizer.optimizer == "adam" and cfg.optimizer.adam_kernel != "foreach":
-        raise ConfigError(kind, f"does not work with optimizer.adam_kernel={cfg.optimizer.adam_kernel}: bridge's "
-                          "Triton Adam and torch's fused one step plain tensors, and FSDP's weights are DTensors.",
-                          "Set optimizer.adam_kernel=foreach (torch's foreach kernels, megatron-core's choice).")
 
 
 _choose = ("docs/parallelism.md#fsdp: torch FSDP2 on the CPU or GPU, Megatron-FSDP on GPUs with the distributed "
@@ -131,7 +127,7 @@ def _check_torch_fsdp2(cfg) -> None:
 
 
 def _check_megatron_fsdp(cfg, device: str) -> None:
-    ddp, opt = cfg.ddp, cfg.optimizer
+    ddp, opt, m = cfg.ddp, cfg.optimizer, cfg.model
     if device != "cuda":
         raise RuntimeUnavailable(
             f"{MEGATRON_FSDP}=true needs a GPU: Megatron-FSDP keeps its buffers on the CUDA device and orders its "
@@ -159,6 +155,17 @@ def _check_megatron_fsdp(cfg, device: str) -> None:
                               "(docs/checkpoints.md#fsdp).",
                               f"Unset {key} for a run without checkpoints, or train with {TORCH_FSDP2}=true or "
                               "optimizer.use_distributed_optimizer=true, whose checkpoints are torch_dist.")
+    if m.compile_layers:
+        raise ConfigError(MEGATRON_FSDP, "does not work with model.compile_layers=true yet: Megatron-FSDP's "
+                          "all-gather and reduce-scatter hooks have not been run around compiled layers (torch "
+                          f"FSDP2's have: {TORCH_FSDP2}=true).",
+                          f"Set model.compile_layers=false, or use {TORCH_FSDP2}=true.")
+    if opt.optimizer == "adam" and opt.adam_kernel != "foreach":
+        raise ConfigError(MEGATRON_FSDP, f"does not work with optimizer.adam_kernel={opt.adam_kernel} yet: "
+                          "megatron-core's distributed optimizer steps views of Megatron-FSDP's own buffers, which "
+                          f"bridge's Triton Adam and torch's fused one have not stepped yet (under {TORCH_FSDP2}=true "
+                          "they step each weight's local shard).",
+                          "Set optimizer.adam_kernel=foreach (torch's foreach kernels, megatron-core's choice).")
 
 
 def _check_megatron_fsdp_fields(ddp) -> None:
@@ -237,12 +244,16 @@ def _match_optimizer_state_to_local_shards() -> None:
     first save fails ("Param id 0 does not match any model sharded param"). Its pairing module gets the local tensor
     itself; a view of it would serve every other caller as well, so nothing else changes."""
     from megatron.core.dist_checkpointing import optimizer as optim_ckpt
+
+    optim_ckpt.to_local_if_dtensor = local_shard
+
+
+def local_shard(tensor):
+    """A DTensor's local shard itself (not ``to_local()``'s view of it), else ``tensor``: what bridge's Triton Adam,
+    the clip it applies and the checkpoint's pairing of optimizer state read under FSDP2."""
     from torch.distributed.tensor import DTensor
 
-    def local_tensor(tensor):
-        return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
-
-    optim_ckpt.to_local_if_dtensor = local_tensor
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
 
 
 def _torch_fsdp2_units() -> set:

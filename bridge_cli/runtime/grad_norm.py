@@ -78,8 +78,12 @@ def _is_fused(optimizer: torch.optim.Optimizer) -> bool:
 
 
 def _grads(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    return [p.grad for group in optimizer.param_groups for p in group["params"]
-            if p.grad is not None and p.grad.numel()]
+    """The gradients ``optimizer`` steps with, as megatron-core's clip scales them: under FSDP2 each DTensor's local
+    shard (the DTensor itself has no storage address to keep a coefficient by)."""
+    from bridge_cli.runtime.fsdp import local_shard
+
+    return [local_shard(p.grad) for group in optimizer.param_groups for p in group["params"]
+            if p.grad is not None and local_shard(p.grad).numel()]
 
 
 def _scaling_adam_grads() -> set[int]:

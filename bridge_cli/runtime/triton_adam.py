@@ -24,6 +24,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 
+from bridge_cli.runtime.fsdp import local_shard
 from bridge_cli.runtime.grad_norm import clip_inside_adam, pop_kept_coefficients
 from bridge_cli.runtime.triton_support import available as triton_available
 
@@ -69,7 +70,7 @@ def _model_weights(member) -> dict[int, torch.Tensor]:
     if pairs is None:  # an fp32 run: the main weights are the model's
         return {}
     model, main = pairs()
-    return {m.data_ptr(): w for w, m in zip(model, main) if m is not None}
+    return {local_shard(m).data_ptr(): local_shard(w) for w, m in zip(model, main) if m is not None}
 
 
 class TritonAdamStep:
@@ -89,16 +90,18 @@ class TritonAdamStep:
             raise ValueError("bridge's Triton Adam takes no closure")
         for group in self.optimizer.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
+            grads = [local_shard(p.grad) for p in params]
             decoupled = group.get("decoupled_weight_decay", isinstance(self.optimizer, torch.optim.AdamW))
-            for param, coefficient in zip(params, pop_kept_coefficients([p.grad for p in params])):
+            for param, grad, coefficient in zip(params, grads, pop_kept_coefficients(grads)):
                 state = self.optimizer.state[param]
-                if not state:
+                if not state:  # like the weight: under FSDP2 DTensors, as torch's Adam makes them and checkpoints save
                     state["step"] = torch.tensor(0.0)
                     state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
                 state["step"] += 1
-                adam_update(param, param.grad, state["exp_avg"], state["exp_avg_sq"],
-                            self.model_weights.get(param.data_ptr()), step=int(state["step"].item()),
+                weight = local_shard(param)  # the update is elementwise: each shard steps on its own
+                adam_update(weight, grad, local_shard(state["exp_avg"]), local_shard(state["exp_avg_sq"]),
+                            self.model_weights.get(weight.data_ptr()), step=int(state["step"].item()),
                             lr=_number(group["lr"]), betas=group["betas"], eps=group["eps"],
                             weight_decay=group["weight_decay"], decoupled=decoupled,
                             grad_factor=1.0 if coefficient is None else coefficient)

@@ -17,7 +17,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.slow,
               pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
                                  reason="needs 2 GPUs")]
 
-# llama1b's shape at 4 layers; every run steps torch's foreach Adam, uncompiled, so only the wrapper differs
+# llama1b's shape at 4 layers; every run steps torch's foreach Adam, uncompiled, so only the wrapper differs (but the
+# test of compiled layers and bridge's Adam under FSDP2)
 ARGS = ["pretrain", "recipe=llama1b", "model.num_layers=4", "train.train_iters=12", "logger.log_interval=1",
         "train.eval_iters=0", "optimizer.adam_kernel=foreach", "model.compile_layers=false"]
 DISTRIBUTED_OPTIMIZER = ["optimizer.use_distributed_optimizer=true"]
@@ -51,10 +52,29 @@ def test_megatron_fsdp_follows_the_distributed_optimizer(distributed_optimizer_c
     assert found[-1] < found[0]
 
 
-def test_torch_fsdp2_follows_plain_ddp():
+@pytest.fixture(scope="module")
+def eager_fsdp2_curve() -> list[float]:
+    """torch FSDP2, eager layers, torch's foreach Adam over the DTensors."""
+    return curve(*PLAIN, "dist.use_torch_fsdp2=true")
+
+
+def test_torch_fsdp2_follows_plain_ddp(eager_fsdp2_curve):
     plain = curve(*PLAIN)
-    found = curve(*PLAIN, "dist.use_torch_fsdp2=true")
-    assert found == pytest.approx(plain, rel=TOLERANCE), (found, plain)
+    assert eager_fsdp2_curve == pytest.approx(plain, rel=TOLERANCE), (eager_fsdp2_curve, plain)
+
+
+@pytest.mark.parametrize("kernel", ["triton", "fused"])
+def test_torch_fsdp2_with_compiled_layers_and_bridges_adam_follows_eager_foreach(eager_fsdp2_curve, kernel):
+    """model.compile_layers=true with FSDP2's hooks outside each layer's graph (no graph break, no recompile), and the
+    Adam kernel stepping each weight's local shard: bridge's Triton Adam (writing the bf16 model weights' shards
+    itself) or torch's fused one, against eager layers and the foreach Adam."""
+    result = torchrun(2, *ARGS, *PLAIN, "dist.use_torch_fsdp2=true", "model.compile_layers=true",
+                      f"optimizer.adam_kernel={kernel}", env={"TORCH_LOGS": "graph_breaks,recompiles"})
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    found = losses(result.stdout)
+    assert len(found) == 12 and "DP 2" in result.stdout, result.stdout[-2000:]
+    assert found == pytest.approx(eager_fsdp2_curve, rel=TOLERANCE), (found, eager_fsdp2_curve)
+    assert "Graph break" not in result.stderr and "Recompiling" not in result.stderr, result.stderr[-3000:]
 
 
 def test_torch_fsdp2_checkpoint_resumes_under_plain_ddp(tmp_path):

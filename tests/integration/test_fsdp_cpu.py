@@ -81,3 +81,20 @@ def test_tensor_parallel_fsdp2_follows_one_process_and_resumes_there(reference, 
     out = ok(bridge("pretrain", *ARGS, f"checkpoint.save={root}"))
     assert f"loaded checkpoint {root}/iter_0000008" in out and "optimizer starts fresh" not in out
     assert_follows(losses(out), reference, 9, 16)
+
+
+def test_compiled_layers_under_fsdp2_resume_its_checkpoint_and_follow_one_process(reference, fsdp_stopped_at_8,
+                                                                                  tmp_path):
+    """model.compile_layers=true under FSDP2 x 2 resumes the eager FSDP2 checkpoint saved at 8 and goes on along the
+    one-process curve to 1e-5. Each layer is one graph, which the second layer reuses, with FSDP2's all-gather and
+    reduce-scatter hooks around it, not in it: no graph break, no recompile, two graphs a rank (layer and loss)."""
+    saved, _ = fsdp_stopped_at_8
+    root = tmp_path / "ckpt"
+    shutil.copytree(saved, root)
+    result = torchrun(2, "pretrain", *ARGS, FSDP2, "model.compile_layers=true", f"checkpoint.save={root}",
+                      env={"TORCH_LOGS": "dynamo,graph_breaks,recompiles"})
+    out = ok(result)
+    assert f"loaded checkpoint {root}/iter_0000008" in out and "optimizer starts fresh" not in out
+    assert_follows(losses(out), reference, 9, 16)
+    assert "Graph break" not in result.stderr and "Recompiling" not in result.stderr, result.stderr[-3000:]
+    assert result.stderr.count("done compiler function inductor") == 2 * 2, result.stderr[-3000:]
