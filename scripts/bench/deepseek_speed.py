@@ -29,6 +29,7 @@ from pathlib import Path
 from compare_mcore import RunFailed
 from compare_mcore import run as run_timed
 from moe_ep import report, summary
+from titan_harness import shape_flags
 
 TITAN = Path(__file__).with_name("run_titan_deepseek.py")
 # bridge's model fields that run_titan_deepseek.py takes as they are
@@ -51,8 +52,7 @@ def titan_shape(recipe: str, overrides: list[str]) -> list[str]:
 
     cfg = compose(recipe, overrides)
     m = cfg.model
-    unlike = [f"model.{field}={m.get(field)} (torchtitan's DeepSeek-V3: {value})"
-              for field, value in TITAN_FIXED.items() if m.get(field) != value]
+    unlike = []
     if m.get("mtp_num_layers"):
         unlike.append(f"model.mtp_num_layers={m.mtp_num_layers} (torchtitan's DeepSeek-V3: no multi-token prediction)")
     layers, experts = m.num_layers, m.num_moe_experts
@@ -75,11 +75,7 @@ def titan_shape(recipe: str, overrides: list[str]) -> list[str]:
                       "one mscale, as if both were equal)")
     if not yarn and m.rope_type != "rope":
         unlike.append(f"model.rope_type={m.rope_type} (torchtitan's DeepSeek-V3: yarn or rope)")
-    if unlike:
-        print(f"deepseek_speed.py: torchtitan's DeepSeek-V3 cannot take the shape of recipe={recipe}: "
-              + ", ".join(unlike), file=sys.stderr)
-        sys.exit(2)
-    flags = [f"{flag}={m[field]}" for field, flag in TITAN_FLAGS.items()]
+    flags = shape_flags("deepseek_speed.py", "torchtitan's DeepSeek-V3", recipe, m, TITAN_FLAGS, TITAN_FIXED, unlike)
     flags += [f"--dense-layers={dense}", f"--q-lora-rank={m.q_lora_rank or 0}",
               f"--groups={m.moe_router_num_groups or 0}", f"--group-topk={m.moe_router_group_topk or 0}",
               f"--shared-experts={shared // expert_ffn}", f"--score-func={score}", "--route-norm",

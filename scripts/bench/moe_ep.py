@@ -38,6 +38,7 @@ from pathlib import Path
 
 from compare_mcore import H100_BF16_PEAK_TFLOPS, ITER_LINE, PEAK, RunFailed
 from compare_mcore import run as run_timed
+from titan_harness import shape_flags
 
 LOSS = re.compile(r"^iteration\s+(\d+)/\d+ .*\| lm loss ([0-9.]+) ", re.M)
 TOKENS = re.compile(r"^iteration\s+(\d+)/\d+ .*\| tokens/s/gpu ([0-9,]+) ", re.M)
@@ -121,14 +122,7 @@ def titan_shape(recipe: str, overrides: list[str]) -> list[str]:
     from bridge_cli.config.compose import compose
 
     cfg = compose(recipe, overrides)
-    model = cfg.model
-    unlike = [f"model.{field}={model.get(field)} (torchtitan's Qwen3 MoE: {value})"
-              for field, value in TITAN_FIXED.items() if model.get(field) != value]
-    if unlike:
-        print(f"moe_ep.py --titan: torchtitan's Qwen3 MoE cannot take the shape of recipe={recipe}: "
-              + ", ".join(unlike), file=sys.stderr)
-        sys.exit(2)
-    flags = [f"{flag}={model[field]}" for field, flag in TITAN_FLAGS.items()]
+    flags = shape_flags("moe_ep.py --titan", "torchtitan's Qwen3 MoE", recipe, cfg.model, TITAN_FLAGS, TITAN_FIXED)
     return [*flags, f"--local-batch={cfg.train.micro_batch_size}", f"--global-batch={cfg.train.global_batch_size}"]
 
 
