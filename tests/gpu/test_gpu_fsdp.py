@@ -77,6 +77,20 @@ def test_torch_fsdp2_with_compiled_layers_and_bridges_adam_follows_eager_foreach
     assert "Graph break" not in result.stderr and "Recompiling" not in result.stderr, result.stderr[-3000:]
 
 
+def test_torch_fsdp2_with_compiled_layers_and_the_triton_adam_resumes_its_checkpoint(eager_fsdp2_curve, tmp_path):
+    """Saved at 6 and resumed to 12 by the same run: the Triton Adam steps on from the loaded moments (DTensors
+    again) and writes the loaded weights' shards, along the eager foreach curve."""
+    root = tmp_path / "ckpt"
+    fast = [*PLAIN, "dist.use_torch_fsdp2=true", "model.compile_layers=true", "optimizer.adam_kernel=triton",
+            f"checkpoint.save={root}"]
+    result = torchrun(2, *ARGS, *fast, "train.exit_interval=6")
+    assert result.returncode == 0, result.stderr[-3000:]
+    result = torchrun(2, *ARGS, *fast)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "optimizer starts fresh" not in result.stdout
+    assert losses(result.stdout) == pytest.approx(eager_fsdp2_curve[6:], rel=TOLERANCE)
+
+
 def test_torch_fsdp2_checkpoint_resumes_under_plain_ddp(tmp_path):
     """FSDP2 on 2 GPUs saves at 6; plain DDP on 2 GPUs resumes it to 12 with the optimizer state: the curve goes on
     as FSDP2's uninterrupted one does."""
