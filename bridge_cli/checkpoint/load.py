@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from bridge_cli.checkpoint import layout, optimizer_by_name, state_dict, verify
+from bridge_cli.checkpoint import distributed_optimizer, layout, optimizer_by_name, state_dict, verify
 from bridge_cli.checkpoint.adapters import AdapterPolicy
 from bridge_cli.checkpoint.errors import CheckpointError
 from bridge_cli.checkpoint.save import NON_PERSISTENT
@@ -194,11 +194,14 @@ def _load(state, model: list, optimizer, scheduler, path: Path, weights_only: bo
         raise CheckpointError(f"{path} is a torch_dist checkpoint but not one bridge or Megatron-LM wrote "
                               "(its common state has no checkpoint_version or iteration).")
     metadata = state_dict.content_metadata(state.cfg.optimizer.use_distributed_optimizer)
+    sharding = distributed_optimizer.saved_sharding(common)
+    if sharding is not None and "distrib_optim_sharding_type" in metadata:
+        metadata["distrib_optim_sharding_type"] = sharding  # the template takes the checkpoint's layout
     template = state_dict.model_sharded_state_dict(model, metadata, select)
     saved = verify.saved_config(path)
     verify.check_model_matches(path, template, stored, state.cfg.derived.model, saved)
     optim_mode = None if weights_only or optimizer is None else _optimizer_state_fits(path, state.cfg, stored, saved,
-                                                                                       optimizer)
+                                                                                       optimizer, sharding)
     load_optim = optim_mode == AS_SAVED
     load_rng = not weights_only and _rng_states_fit(path, ckpt, stored)
     load_rerun = not weights_only and _rerun_is_pending(path, common, stored)
@@ -221,7 +224,7 @@ def _load(state, model: list, optimizer, scheduler, path: Path, weights_only: bo
         # a selection (base weights or adapters of a LoRA model) leaves the other keys as they are
         _read(path, f"the {key} weights", lambda: load_model_state(chunk, loaded[key], strict=select is None))
     if load_optim:
-        _read(path, "the optimizer state", lambda: _load_optimizer(optimizer, loaded["optimizer"], state))
+        _read(path, "the optimizer state", lambda: _load_optimizer(optimizer, loaded["optimizer"], state, sharding))
     elif optim_mode == BY_NAME:
         _read(path, "the optimizer state", lambda: _load_optimizer_by_name(optimizer, sharded["optimizer"],
                                                                           loaded["optimizer"], common, state))
@@ -258,8 +261,11 @@ AS_SAVED, BY_NAME = "as saved", "by name"
 """How the optimizer state loads: megatron-core's own load, or :mod:`~bridge_cli.checkpoint.optimizer_by_name`'s."""
 
 
-def _optimizer_state_fits(path: Path, cfg, stored: dict, saved: Optional[dict], optimizer) -> Optional[str]:
-    """How to load the optimizer state (None: not at all); says why not when the checkpoint's cannot be used."""
+def _optimizer_state_fits(path: Path, cfg, stored: dict, saved: Optional[dict], optimizer,
+                          sharding: Optional[str] = None) -> Optional[str]:
+    """How to load the optimizer state (None: not at all); says why not when the checkpoint's cannot be used.
+
+    ``sharding`` is how the checkpoint saved a distributed optimizer's state (its content metadata)."""
     if not cfg.checkpoint.load_optim:
         return None
     if not any(_is_optimizer_key(key) for key in stored):
@@ -271,6 +277,8 @@ def _optimizer_state_fits(path: Path, cfg, stored: dict, saved: Optional[dict], 
         _say(f"{path} holds the state of a {'distributed' if saved_distributed else 'plain'} optimizer, which this "
              f"run's optimizer cannot read; {fresh}")
         return None
+    if cfg.optimizer.use_distributed_optimizer and distributed_optimizer.reshards(sharding):
+        return AS_SAVED  # saved per weight: any tensor, pipeline, expert or data-parallel layout
     saved_experts = _expert_layout((saved or {}).get("model", {}))
     if saved_experts not in (None, _expert_layout(vars(cfg.model))):
         held = (f"{path} holds optimizer state for expert parallel x expert tensor parallel {saved_experts[0]} x "
@@ -280,14 +288,20 @@ def _optimizer_state_fits(path: Path, cfg, stored: dict, saved: Optional[dict], 
             return BY_NAME
         _say(f"{held}: megatron-core groups the expert parameters' state of its "
              f"{'distributed' if saved_distributed else 'mixed-precision'} optimizer by that layout, and it does not "
-             f"reshard to this run's; {fresh}")
+             f"reshard to this run's{_older_sharding(sharding) if saved_distributed else ''}; {fresh}")
         return None
     saved_layout = _model_parallel_layout((saved or {}).get("model", {}))
     if saved_distributed and saved_layout not in (None, _model_parallel_layout(vars(cfg.model))):
         _say(f"{path} holds distributed-optimizer state for tensor x pipeline parallel {saved_layout[0]} x "
-             f"{saved_layout[1]}, which reshards across data-parallel sizes only; {fresh}")
+             f"{saved_layout[1]}, which reshards across data-parallel sizes only{_older_sharding(sharding)}; {fresh}")
         return None
     return AS_SAVED
+
+
+def _older_sharding(sharding: Optional[str]) -> str:
+    """Why a distributed optimizer's state is tied to its layout: the sharding it was saved with."""
+    return (f" (saved {sharding or 'without a recorded sharding'}; bridge saves "
+            f"{distributed_optimizer.FULLY_RESHARDABLE}, which loads under any layout)")
 
 
 def _is_optimizer_key(key: str) -> bool:
@@ -361,8 +375,11 @@ def _initialize_optimizer_state(optimizer) -> None:
 
 
 @torch.no_grad()  # the fp32 distributed optimizer copies into main params that are the model's own
-def _load_optimizer(optimizer, saved, state) -> None:
-    optimizer.load_state_dict(saved)
+def _load_optimizer(optimizer, saved, state, sharding: Optional[str] = None) -> None:
+    if state.cfg.optimizer.use_distributed_optimizer and distributed_optimizer.reshards(sharding):
+        distributed_optimizer.load(optimizer, saved)
+    else:
+        optimizer.load_state_dict(saved)
     restore_sharded_optimizer_state(optimizer)  # FSDP2's moments are DTensors like its weights
     # With torch's Adam, megatron-core's DistributedOptimizer saves the step count in each param
     # group and, loading, leaves the per-parameter "step" tensors at their placeholder value (and

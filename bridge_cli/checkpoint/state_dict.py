@@ -29,9 +29,9 @@ def content_metadata(use_distributed_optimizer: bool) -> dict[str, Any]:
     """How model and optimizer state are sharded; saved in the checkpoint, as Megatron-LM does."""
     metadata: dict[str, Any] = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
     if use_distributed_optimizer:
-        # Megatron-LM's default: reshards across data-parallel sizes only. megatron-core 0.19 cannot
-        # load its layout-independent "fully_reshardable" format into torch's Adam (no TE / Apex).
-        metadata["distrib_optim_sharding_type"] = "dp_reshardable"
+        # Saved per weight with global shapes, so the state loads under another TP, PP, EP or DP layout
+        # (Megatron-LM's --dist-ckpt-optim-fully-reshardable); see checkpoint/distributed_optimizer.py.
+        metadata["distrib_optim_sharding_type"] = "fully_reshardable"
     return metadata
 
 
