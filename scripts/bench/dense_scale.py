@@ -67,6 +67,7 @@ LAYOUTS = {
 DEFAULT_OVERRIDES = ["train.global_batch_size=16", "optimizer.lr=5e-5", "optimizer.min_lr=5e-6",
                      "scheduler.lr_warmup_iters=2", "scheduler.lr_warmup_fraction=null"]
 TITAN_STEP = re.compile(r"step:\s+1\s")  # torchtitan's first step's log line
+WORLD = re.compile(r"^bridge: .*?, (world \d+ = [^;]+);", re.M)  # the layout bridge ran, from its start-up lines
 # bridge's model fields that run_titan.py takes as they are, and those torchtitan's Llama 3 has fixed
 TITAN_FLAGS = {"num_layers": "--layers", "hidden_size": "--hidden", "num_attention_heads": "--heads",
                "num_query_groups": "--kv-heads", "ffn_hidden_size": "--ffn", "vocab_size": "--vocab",
@@ -121,10 +122,11 @@ def bridge(gpus: int, overrides: list[str], warmup: int) -> dict:
     if not s["losses"]:
         raise RunFailed("no iteration line in its log")
     first_iteration = next((float(ms) / 1000 for i, ms, _ in ITER_LINE.findall(out) if i == "1"), float("nan"))
-    start_up = START_UP.search(out)
+    start_up, world = START_UP.search(out), WORLD.search(out)
     return {"step_ms": round(s["step_ms"], 1), "tok_s_gpu": round(s["tokens"]), "tflops_gpu": round(s["tflops"], 1),
             "peak_mem_GiB": s["peak"], "loss": s["losses"][max(s["losses"])], "wall_s": wall, "to_first_step_s": first,
-            "first_step_s": first_iteration, "start_up": start_up.group(0) if start_up else None}
+            "first_step_s": first_iteration, "start_up": start_up.group(0) if start_up else None,
+            "layout": world.group(1) if world else None}
 
 
 def titan(script: Path, gpus: int, flags: list[str], shape: tuple[int, int, float], a) -> dict:
@@ -152,6 +154,7 @@ def launch_line(name: str, r: dict) -> str:
         return (f"{name}: {first:.1f} s = {rest:.1f} torchrun, interpreters, imports + {r['init_s']:.1f} building "
                 f"the Trainer + {r['first_step_s']:.1f} first step")
     up = re.match(r"start-up ([0-9.]+) s: (.*)", r["start_up"] or "")
+    name += f" ({r['layout']})" if r["layout"] else ""
     if not up:
         return f"{name}: {first:.1f} s (no start-up line in its log)"
     rest = first - float(up.group(1)) - r["first_step_s"]

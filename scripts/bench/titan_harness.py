@@ -22,7 +22,8 @@ def shape_flags(script, titan_model, recipe, model, flag_of, fixed, unlike=()):
     unlike = [*(f"model.{field}={model.get(field)} ({titan_model}: {value})"
                 for field, value in fixed.items() if model.get(field) != value), *unlike]
     if unlike:
-        print(f"{script}: {titan_model} cannot take the shape of recipe={recipe}: " + ", ".join(unlike), file=sys.stderr)
+        print(f"{script}: {titan_model} cannot take the shape of recipe={recipe}: " + ", ".join(unlike),
+              file=sys.stderr)
         sys.exit(2)
     return [f"{flag}={model[field]}" for field, flag in flag_of.items()]
 

@@ -28,8 +28,8 @@ GPU_ONLY = {  # each with the arguments of its CPU refusal test
     # past its argument checks: its --baseline and --titan defaults, the scripts beside it, exist
     "compare_mcore.py": ["--titan"],
 }
-CPU_RUNS = ["deepseek_speed.py", "dense_scale.py", "kernel_breakdown.py", "layouts.py", "linear_cross_entropy.py", "moe_ep.py", "moe_experts.py",
-            "sft_packing.py"]
+CPU_RUNS = ["deepseek_speed.py", "dense_scale.py", "kernel_breakdown.py", "layouts.py", "linear_cross_entropy.py",
+            "moe_ep.py", "moe_experts.py", "sft_packing.py"]
 NOT_RUN = {  # --help only, and why
     "convert_memory.py": "its real run builds a 1.24B-parameter model (8 GB of disk); test_convert_memory.py "
                          "covers its measurement",
@@ -365,11 +365,13 @@ def test_dense_scale_on_the_cpu():
     results = json.loads(out.split("RESULTS ", 1)[1])
     tp2, fsdp2 = results["bridge tp2"], results["bridge fsdp2-dp"]
     assert tp2["loss"] == pytest.approx(fsdp2["loss"], rel=1e-4), (tp2, fsdp2)
+    assert (tp2["layout"], fsdp2["layout"]) == ("world 2 = TP 2 x PP 1 x CP 1 x DP 1",
+                                                "world 2 = TP 1 x PP 1 x CP 1 x DP 2")
     for r in (tp2, fsdp2):
         assert r["tok_s_gpu"] > 0 and r["wall_s"] > r["to_first_step_s"] > 0, r
     assert re.search(r"^bridge tp2 +[0-9.]+ +[0-9,]+ .* [0-9.]+$", out, re.M), out
-    assert re.search(r"^  bridge tp2: [0-9.]+ s = -?[0-9.]+ torchrun, interpreters \+ [0-9.]+ start-up \(.*imports.*\) "
-                     r"\+ [0-9.]+ first iteration$", out, re.M), out
+    assert re.search(r"^  bridge tp2 \(world 2 = TP 2 x PP 1 x CP 1 x DP 1\): [0-9.]+ s = -?[0-9.]+ torchrun, "
+                     r"interpreters \+ [0-9.]+ start-up \(.*imports.*\) \+ [0-9.]+ first iteration$", out, re.M), out
 
 
 @pytest.mark.slow
