@@ -11,7 +11,7 @@ sharded state dicts for saving and loading all run for real. Steps go through th
 kernels have no CPU fallback; clip_grad is 0, so no clip is skipped).
 
 Every layout starts from the same weights (runtime_worker.init_by_global_name) and trains on the same fixed
-tokens, each data-parallel rank taking its share. ``--save-at N`` saves iteration N into ``--ckpt`` and stops;
+tokens, each data-parallel rank taking its share. ``--save-at N`` saves iteration N into ``--ckpt``;
 ``--resume`` loads the newest checkpoint there (bridge_cli.checkpoint.load) and trains on to ``--steps``. The
 last rank writes the losses and the lines bridge's load printed to ``--out``.
 """
@@ -41,6 +41,7 @@ from bridge_cli.runtime.schedules import get_forward_backward_func
 from tests.integration.runtime_worker import MICRO_BATCH, SEQ, VOCAB, build_model, forward_step
 
 MICRO_BATCHES = 4
+EXPERTS = 4
 
 
 def main() -> None:
@@ -49,22 +50,24 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--ep", type=int, default=0, help="expert parallel size of an MoE model (0: dense)")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--save-at", type=int, default=0)
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--sharding", default=None, help="distrib_optim_sharding_type to save with (default: bridge's)")
     args = parser.parse_args()
 
-    runtime = init_distributed("gloo", 2, args.tp, args.pp)
+    runtime = init_distributed("gloo", 2, args.tp, args.pp, expert_model_parallel_size=max(args.ep, 1))
     run_on_the_cpu()
-    model = build_model(args.tp, args.pp)
+    model = build_moe_model(args.ep) if args.ep else build_model(args.tp, args.pp)
     chunks = wrap_model([model], DistributedDataParallelConfig(use_distributed_optimizer=True))
     adam = OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.01, clip_grad=0.0,
                            use_distributed_optimizer=True)
     optimizer = get_megatron_optimizer(adam, chunks)
     configure_grad_sync(chunks, optimizer)
     run = {"model": {"tensor_model_parallel_size": args.tp, "pipeline_model_parallel_size": args.pp,
-                     "virtual_pipeline_model_parallel_size": None},
+                     "virtual_pipeline_model_parallel_size": None, "num_moe_experts": EXPERTS if args.ep else None,
+                     "expert_model_parallel_size": max(args.ep, 1)},
            "optimizer": {"use_distributed_optimizer": True}}
     train_state, said = TrainState(), io.StringIO()
     if args.resume:
@@ -98,10 +101,24 @@ def main() -> None:
             sharded = state_dict.build(train_state, chunks, optimizer, None, metadata=metadata, optim=True,
                                        rng=False, is_cuda=False)
             write_checkpoint(args.ckpt, train_state.step, sharded, run, content_metadata=metadata)
-            break
     if runtime.rank == runtime.world_size - 1:  # the rank that prints bridge's log, on the last pipeline stage
         args.out.write_text(json.dumps({"loss": losses, "log": said.getvalue()}))
     destroy_distributed()
+
+
+def build_moe_model(ep: int) -> torch.nn.Module:
+    """A 2-layer MoE GPTModel (4 experts, top 2, bridge's provider) whose experts are spread over ``ep`` ranks,
+    megatron-core's initialization: the tests compare a resumed run with the uninterrupted one of the layout that
+    saved it."""
+    from bridge_cli.models.provider import GPTModelProvider
+
+    return GPTModelProvider(
+        num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, vocab_size=VOCAB, seq_length=SEQ,
+        make_vocab_size_divisible_by=128, position_embedding_type="rope", normalization="RMSNorm",
+        add_bias_linear=False, gated_linear_unit=True, activation_func=torch.nn.functional.silu, hidden_dropout=0.0,
+        attention_dropout=0.0, spec="torch", num_moe_experts=EXPERTS, moe_router_topk=2, moe_ffn_hidden_size=64,
+        moe_token_dispatcher_type="alltoall", moe_aux_loss_coeff=1e-2, moe_grouped_gemm=True,
+        use_cpu_initialization=True, expert_model_parallel_size=ep).provide()
 
 
 def run_on_the_cpu() -> None:
