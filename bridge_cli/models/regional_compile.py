@@ -28,6 +28,12 @@ def compile_layers(chunks: list) -> None:
     # megatron-core's RowParallelLinear warns that its tp_group is unset on every call (rank 0); traced,
     # that warning splits each layer into several graphs. Inside compiled code, warnings are dropped.
     torch._dynamo.config.ignore_logging_functions.add(warnings.warn)
+    # Its tensor-parallel linear also advises CUDA_DEVICE_MAX_CONNECTIONS=1 once, which bridge leaves unset on the
+    # CPU and under FSDP, and marks the advice given on the function: an attribute set dynamo cannot trace, so
+    # each layer broke in two and recompiled once the mark was set. Marked given here, as compiled code drops it.
+    from megatron.core.tensor_parallel import layers
+
+    layers.linear_with_grad_accumulation_and_async_allreduce.warned = True
     for chunk in chunks:
         for module in chunk.modules():
             if isinstance(module, TransformerLayer):
