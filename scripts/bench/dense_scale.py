@@ -10,9 +10,11 @@ parallelism for the rest, ``fsdp2`` torch FSDP2 over every GPU, ``mfsdp`` Megatr
 runs torchtitan 0.2.2 (``run_titan.py`` in this folder) under torchrun on as many GPUs at the recipe's shape
 (layers, hidden, heads, KV heads, FFN, vocab, seq, read from bridge's composed config, so the OVERRIDEs count),
 micro-batch and global batch, compiled, FSDP2 over the GPUs: its best setting. ``--titan-arg`` passes a flag to
-run_titan.py, e.g. ``--titan-arg=--no-compile``, or its float8 for an FP8 comparison: ``--titan-arg=--
---titan-arg=--model.converters --titan-arg=quantize.linear.float8``. A field torchtitan's Llama 3 cannot match
-(tied embeddings, an MoE, ...) stops the script with exit 2 naming it, before anything runs.
+run_titan.py (``--titan-arg=--no-compile``), ``--titan-trainer`` flags to torchtitan's trainer, e.g. its float8
+(torchao's wheel too) beside a bridge FP8 variant: ``--titan-trainer "--model.converters quantize.linear.float8
+--quantize.linear.float8.recipe_name tensorwise" --variant fp8:mixed_precision=bf16_with_fp8_current_scaling_mixed``.
+A field torchtitan's Llama 3 cannot match (tied embeddings, an MoE, ...) stops the script with exit 2 naming it,
+before anything runs.
 
 Without OVERRIDEs of their own, every bridge run takes DEFAULT_OVERRIDES (global batch 16, the learning rates of
 the hand-made 4-GPU runs), and ``scheduler.lr_decay_iters`` is ``--iters``. bridge's first ``--warmup`` iterations
@@ -132,7 +134,7 @@ def bridge(gpus: int, overrides: list[str], warmup: int) -> dict:
 def titan(script: Path, gpus: int, flags: list[str], shape: tuple[int, int, float], a) -> dict:
     """run_titan.py under torchrun: its median step at bridge's FLOPs per token, its memory and loss."""
     argv = [*torchrun(gpus), str(script), *flags, "--compile", "--steps", str(a.iters), "--warmup", str(a.warmup),
-            *a.titan_arg]
+            *a.titan_arg, *(["--", *a.titan_trainer.split()] if a.titan_trainer else [])]
     print("$ python " + " ".join(argv[1:]), file=sys.stderr, flush=True)
     out, wall, first = run_timed(argv, TITAN_STEP)
     res = json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
@@ -183,13 +185,15 @@ def main() -> None:
                         "(default: run_titan.py in this folder)")
     parser.add_argument("--titan-arg", action="append", default=[], metavar="FLAG",
                         help="a flag for run_titan.py (repeatable; needs --titan)")
+    parser.add_argument("--titan-trainer", default="", metavar="FLAGS",
+                        help="torchtitan trainer flags, one quoted string (needs --titan)")
     parser.add_argument("overrides", nargs="*", help="bridge overrides (KEY=VALUE) of every run, also read for "
                         "torchtitan's shape")
     args = parser.parse_args()
     if args.iters <= args.warmup:
         parser.error(f"--iters ({args.iters}) must be more than --warmup ({args.warmup}): bridge times the rest")
-    if args.titan_arg and not args.titan:
-        parser.error("--titan-arg needs --titan")
+    if (args.titan_arg or args.titan_trainer) and not args.titan:
+        parser.error("--titan-arg and --titan-trainer need --titan")
     if args.titan and not args.titan.is_file():
         parser.error(f"no such file: {args.titan}")
     variants = [v.partition(":") for v in args.variant]

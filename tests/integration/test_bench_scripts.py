@@ -387,6 +387,19 @@ def test_dense_scale_titan_on_the_cpu():
     assert titan["tok_s_gpu"] > 0 and math.isfinite(titan["loss"]) and titan["to_first_step_s"] > 0, titan
 
 
+@pytest.mark.slow
+@with_torchtitan
+def test_dense_scale_names_a_failed_torchtitan_run_and_goes_on():
+    """--titan-trainer reaches torchtitan's trainer: a local batch that does not divide the global one stops it under
+    torchrun, which the table names by the workers' exception (not torchrun's ChildFailedError); bridge still runs."""
+    out = succeeded(python(str(BENCH / "dense_scale.py"), *DENSE_SCALE_ON_THE_CPU, "--layout", "tp2", "--titan",
+                           "--titan-arg=--no-compile", "--titan-trainer", "--training.local_batch_size 3", "--",
+                           *TINY_UNTIED, env=ONE_THREAD, timeout=900))
+    assert re.search(r"^torchtitan +failed: AssertionError: global batch size must be multiple of local batch size",
+                     out, re.M), out
+    assert re.search(r"^bridge tp2 +[0-9.]+ +[0-9,]+ .* [0-9.]+$", out, re.M) and "Traceback" not in out, out
+
+
 MOE_PROXY_ON_THE_CPU = [  # moe_proxy at a CPU's size, in fp32
     "mixed_precision=fp32", "model.hidden_size=64", "model.ffn_hidden_size=128", "model.num_attention_heads=4",
     "model.num_query_groups=2", "model.kv_channels=16", "model.vocab_size=1024", "model.seq_length=128",
