@@ -1,7 +1,8 @@
 """bridge's dense layouts against torchtitan on N GPUs of one host, one run after another in one command.
 
     python scripts/bench/dense_scale.py --gpus 4 [--recipe llama8b] [--iters 12] [--warmup 4] [--layout NAME ...]
-        [--variant NAME:OVERRIDE[,OVERRIDE...] ...] [--titan [PATH]] [--titan-arg FLAG ...] [-- OVERRIDE ...]
+        [--variant NAME:OVERRIDE[,OVERRIDE...] ...] [--titan [PATH]] [--titan-arg FLAG ...] [--titan-trainer FLAGS]
+        [-- OVERRIDE ...]
 
 Each ``--layout`` is a `torchrun --nproc-per-node GPUS -m bridge_cli pretrain` of the recipe with the OVERRIDEs and
 the layout's own (LAYOUTS below: ``shipped`` the recipe as it is, ``tp2`` tensor parallelism 2 and data
@@ -16,9 +17,10 @@ run_titan.py (``--titan-arg=--no-compile``), ``--titan-trainer`` flags to torcht
 A field torchtitan's Llama 3 cannot match (tied embeddings, an MoE, ...) stops the script with exit 2 naming it,
 before anything runs.
 
-Without OVERRIDEs of their own, every bridge run takes DEFAULT_OVERRIDES (global batch 16, the learning rates of
-the hand-made 4-GPU runs), and ``scheduler.lr_decay_iters`` is ``--iters``. bridge's first ``--warmup`` iterations
-are not timed; torchtitan runs ``--warmup`` untimed steps and then ``--iters`` timed ones.
+Every bridge run takes DEFAULT_OVERRIDES (global batch 16, the learning rates of the hand-made 4-GPU runs in
+docs/performance.md) and ``scheduler.lr_decay_iters=ITERS``, each where the OVERRIDEs do not set its key. bridge's
+first ``--warmup`` iterations are not timed; torchtitan runs ``--warmup`` untimed steps and then ``--iters`` timed
+ones. So ``--gpus 4 --titan`` makes those hand-made runs (torchtitan, TP=2 x DP=2, FSDP2) as they were typed.
 
 Prints a row per run as it ends, then the table again: ms/step (median after the warm-up), tokens/s/GPU,
 TFLOP/s/GPU and MFU by bridge's FLOPs formula for both (bridge_cli/models/flops.py: bridge's log, and the same
