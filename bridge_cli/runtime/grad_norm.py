@@ -82,8 +82,8 @@ def _grads(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     shard (the DTensor itself has no storage address to keep a coefficient by)."""
     from bridge_cli.runtime.fsdp import local_shard
 
-    return [local_shard(p.grad) for group in optimizer.param_groups for p in group["params"]
-            if p.grad is not None and local_shard(p.grad).numel()]
+    grads = (local_shard(p.grad) for group in optimizer.param_groups for p in group["params"] if p.grad is not None)
+    return [g for g in grads if g.numel()]
 
 
 def _scaling_adam_grads() -> set[int]:
