@@ -13,7 +13,8 @@ and state dict are torch's, so checkpoints do not depend on the kernel; only its
 with torch's update (decoupled or L2 weight decay, bias-corrected moments). The model weights it writes are the
 ones megatron-core's copy writes (its ``_get_model_and_main_params_data_float16`` pairs), so that copy, which
 follows the step, has nothing left to do and is skipped. On the CPU, or where Triton does not import, the same
-update runs as torch ops.
+update runs as torch ops. Under torch FSDP2 the weights, gradients and moments are DTensors: the kernel steps each
+one's local shard (:func:`~bridge_cli.runtime.fsdp.local_shard`), and the state keeps the DTensors checkpoints save.
 """
 
 from __future__ import annotations
