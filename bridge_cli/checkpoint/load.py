@@ -277,9 +277,14 @@ def _optimizer_state_fits(path: Path, cfg, stored: dict, saved: Optional[dict], 
         _say(f"{path} holds the state of a {'distributed' if saved_distributed else 'plain'} optimizer, which this "
              f"run's optimizer cannot read; {fresh}")
         return None
-    if cfg.optimizer.use_distributed_optimizer and distributed_optimizer.reshards(sharding):
-        return AS_SAVED  # saved per weight: any tensor, pipeline, expert or data-parallel layout
     saved_experts = _expert_layout((saved or {}).get("model", {}))
+    saved_layout = _model_parallel_layout((saved or {}).get("model", {}))
+    if cfg.optimizer.use_distributed_optimizer and distributed_optimizer.reshards(sharding):
+        ours = _expert_layout(vars(cfg.model)), _model_parallel_layout(vars(cfg.model))
+        if saved is not None and (saved_experts, saved_layout) != ours:
+            _say(f"{path} holds distributed-optimizer state saved per weight ({sharding}): resharding it to this "
+                 "run's layout.")
+        return AS_SAVED
     if saved_experts not in (None, _expert_layout(vars(cfg.model))):
         held = (f"{path} holds optimizer state for expert parallel x expert tensor parallel {saved_experts[0]} x "
                 f"{saved_experts[1]}")
@@ -290,7 +295,6 @@ def _optimizer_state_fits(path: Path, cfg, stored: dict, saved: Optional[dict], 
              f"{'distributed' if saved_distributed else 'mixed-precision'} optimizer by that layout, and it does not "
              f"reshard to this run's{_older_sharding(sharding) if saved_distributed else ''}; {fresh}")
         return None
-    saved_layout = _model_parallel_layout((saved or {}).get("model", {}))
     if saved_distributed and saved_layout not in (None, _model_parallel_layout(vars(cfg.model))):
         _say(f"{path} holds distributed-optimizer state for tensor x pipeline parallel {saved_layout[0]} x "
              f"{saved_layout[1]}, which reshards across data-parallel sizes only{_older_sharding(sharding)}; {fresh}")

@@ -45,6 +45,7 @@ def test_adam_state_follows_a_change_of_layout_and_back(tmp_path, run, layout_a,
     assert back.returncode == 0, back.stdout[-2000:] + back.stderr[-3000:]
     for result in (there, back):
         assert "optimizer starts fresh" not in result.stdout, result.stdout[-3000:]
+        assert "resharding it to this run's layout" in result.stdout, result.stdout[-3000:]
     assert f"loaded checkpoint {first}/iter_0000006" in there.stdout
     assert f"loaded checkpoint {second}/iter_0000009" in back.stdout
     whole, resumed = losses(straight.stdout), losses(there.stdout) + losses(back.stdout)

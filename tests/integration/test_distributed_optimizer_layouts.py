@@ -51,7 +51,7 @@ def test_resume_under_another_layout_follows_the_uninterrupted_curve(tmp_path, s
     metadata = dist_checkpointing.load_content_metadata(str(tmp_path / "ckpt" / f"iter_000000{SAVE_AT}"))
     assert metadata["distrib_optim_sharding_type"] == "fully_reshardable"
     second = run(tmp_path / "second.json", tmp_path / "ckpt", *LAYOUTS[resumed], "--resume")
-    assert "starts fresh" not in second["log"], second["log"]
+    assert "starts fresh" not in second["log"] and "resharding it to this run's layout" in second["log"], second["log"]
     assert second["loss"] == pytest.approx(straight["loss"][SAVE_AT:], rel=RTOL), (second["loss"], straight["loss"])
 
 
