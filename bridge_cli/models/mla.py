@@ -17,6 +17,14 @@ Transformer Engine, or gets wrong without it, is fixed here, in one place:
   of its latents, which breaks ``[s, b]`` rows; here the projections see no packed parameters (the core
   attention still gets them, and masks each document), and the RoPE table is gathered at each token's
   position in its document, as :class:`~bridge_cli.models.gpt_model.GPTModel` does for the other layers.
+- :meth:`TorchMLASelfAttention._resolve_qk_norm_config`: megatron-core 0.19 no longer builds the projections and
+  latent norms the spec names but asks its ``QKNormConfigResolver``, which with ``qk_layernorm`` and
+  ``q_lora_rank`` null wants ``linear_q_proj`` to be a fused norm+linear: Transformer Engine's
+  ``TELayerNormColumnParallelLinear`` (a norm on the query's input that DeepSeek-V2-Lite and Moonlight do not have),
+  a placeholder without Transformer Engine, and on the local backend a ``RuntimeError``. The torch spec builds what
+  its spec names, as 0.16 to 0.18 do: no query norm without a query latent (:func:`use_torch_mla` makes the spec's
+  ``q_layernorm`` an ``IdentityOp`` there), ``linear_q_proj`` a ``ColumnParallelLinear``. The checkpoint keys and
+  the numbers are those of every supported version.
 - :data:`TE_KEYS`: the checkpoint keys of Transformer Engine's MLA layer (its up projections hold the latent
   norms as ``layer_norm_weight``, a dense MLP's ``linear_fc1`` the pre-MLP norm), so a checkpoint written
   on the torch spec loads in a Transformer Engine run (Megatron-LM's too) and back.
@@ -34,6 +42,8 @@ latent is scattered back to this rank's tokens, as Transformer Engine's duplicat
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -71,6 +81,10 @@ def check_config(config, spec: str) -> None:
     if getattr(config, "cache_mla_latents", False):
         raise RuntimeUnavailable("model.cache_mla_latents=true (inference with absorbed latents) is not supported by "
                                  "the torch spec; set it to false.")
+    if getattr(config, "mla_down_proj_fusion", False):  # megatron-core 0.19's field
+        raise RuntimeUnavailable("model.mla_down_proj_fusion=true (one fused q/kv down projection) is not supported "
+                                 "by the torch spec, whose local layer spec ignores it; set it to false or "
+                                 "model.spec=te.")
     if getattr(config, "apply_rope_fusion", False):
         raise RuntimeUnavailable("model.apply_rope_fusion=true with model.multi_latent_attention=true needs "
                                  "Transformer Engine's fused MLA RoPE kernels; set model.apply_rope_fusion=false "
@@ -86,11 +100,16 @@ def check_config(config, spec: str) -> None:
                                      "Use a tensor-parallel size that divides it, or model.spec=te.")
 
 
-def use_torch_mla(layers: list, dense_layers: list) -> None:
+def use_torch_mla(layers: list, dense_layers: list, q_lora_rank: Optional[int]) -> None:
     """Make the MLA layer specs of megatron-core's local spec build :class:`TorchMLASelfAttention` and write
-    Transformer Engine's checkpoint keys (``dense_layers``: those whose MLP is dense)."""
+    Transformer Engine's checkpoint keys (``dense_layers``: those whose MLP is dense); with ``q_lora_rank`` null
+    the query has no latent, so the spec has no query norm."""
+    from megatron.core.transformer.identity_op import IdentityOp
+
     for layer in layers:
         layer.submodules.self_attention.module = TorchMLASelfAttention
+        if q_lora_rank is None:
+            layer.submodules.self_attention.submodules.q_layernorm = IdentityOp
         keys = {**TE_KEYS, **(TE_DENSE_MLP_KEYS if any(layer is d for d in dense_layers) else {})}
         layer.submodules.sharded_state_dict_keys_map = {**layer.submodules.sharded_state_dict_keys_map, **keys}
 
@@ -103,6 +122,12 @@ class TorchMLASelfAttention(MLASelfAttention):
         self.rotary_pos_emb = DocumentRotary(self.rotary_pos_emb)
         if self.tp_group is not None and self.tp_group.size() > 1:
             self.linear_kv_down_proj.register_forward_hook(self._whole_kv_latent)
+
+    def _resolve_qk_norm_config(self, submodules) -> dict:
+        """The projections and latent norms the spec names, unchanged (megatron-core 0.19 calls this; see the
+        module's doc)."""
+        names = ("linear_q_proj", "linear_q_up_proj", "linear_kv_up_proj", "q_layernorm", "kv_layernorm")
+        return {name: getattr(submodules, name) for name in names}
 
     def _whole_kv_latent(self, module, args, output):
         """``linear_kv_down_proj``'s output with every rank's columns (see the module's doc)."""

@@ -144,7 +144,7 @@ def _use_torch_mla(name: str, config: TransformerConfig, layers: list) -> None:
     mla.check_config(config, name)
     mla.allow_without_transformer_engine()
     dense = [layer for layer in layers if not hasattr(_submodules(layer.submodules.mlp), "experts")]
-    mla.use_torch_mla(layers, dense)
+    mla.use_torch_mla(layers, dense, config.q_lora_rank)
 
 
 def _use_fp8_linears(layer: ModuleSpec, config: TransformerConfig) -> None:

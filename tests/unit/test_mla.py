@@ -41,17 +41,39 @@ def test_megatron_core_mla_builds_on_the_torch_spec_with_two_head_sizes(one_proc
     assert logits.shape == (2, 16, 128) and torch.isfinite(logits).all()
 
 
-def test_checkpoint_keys_are_transformer_engines(one_process):
+QUERY_KEYS = {24: {"self_attention.linear_q_down_proj.weight", "self_attention.linear_q_up_proj.layer_norm_weight",
+                   "self_attention.linear_q_up_proj.weight"},
+              None: {"self_attention.linear_q_proj.weight"}}
+
+
+@pytest.mark.parametrize("q_lora_rank", [24, None])
+def test_checkpoint_keys_are_transformer_engines(one_process, q_lora_rank):
     """The latent norms as Transformer Engine's fused up projections hold them, the dense MLP's norm in linear_fc1:
-    a checkpoint written on the torch spec loads in a Transformer Engine (Megatron-LM) run."""
-    state = mla_model(q_lora_rank=24).sharded_state_dict()  # module names -> sharded tensors under checkpoint keys
+    a checkpoint written on the torch spec loads in a Transformer Engine (Megatron-LM) run. Without a query latent
+    the query has one projection and no norm (DeepSeek-V2-Lite's q_proj), on every megatron-core version."""
+    state = mla_model(q_lora_rank=q_lora_rank).sharded_state_dict()  # module names -> tensors under checkpoint keys
     keys = {state[name].key.removeprefix("decoder.layers.") for name in state
             if name.startswith("decoder.layers.0.") and not name.endswith("_extra_state")}
-    assert keys == {"input_layernorm.weight", "self_attention.linear_q_down_proj.weight",
-                    "self_attention.linear_q_up_proj.layer_norm_weight", "self_attention.linear_q_up_proj.weight",
-                    "self_attention.linear_kv_down_proj.weight", "self_attention.linear_kv_up_proj.layer_norm_weight",
-                    "self_attention.linear_kv_up_proj.weight", "self_attention.linear_proj.weight",
-                    "mlp.linear_fc1.layer_norm_weight", "mlp.linear_fc1.weight", "mlp.linear_fc2.weight"}
+    assert keys == {"input_layernorm.weight", *QUERY_KEYS[q_lora_rank], "self_attention.linear_kv_down_proj.weight",
+                    "self_attention.linear_kv_up_proj.layer_norm_weight", "self_attention.linear_kv_up_proj.weight",
+                    "self_attention.linear_proj.weight", "mlp.linear_fc1.layer_norm_weight", "mlp.linear_fc1.weight",
+                    "mlp.linear_fc2.weight"}
+
+
+@pytest.mark.parametrize("q_lora_rank", [24, None])
+def test_without_a_query_latent_the_spec_has_no_query_norm(q_lora_rank):
+    """megatron-core 0.19 refuses to build an MLA layer whose spec has a q_layernorm that q_lora_rank=null leaves
+    unused ("`q_layernorm=...WrappedTorchNorm` is non-trivial, but `q_lora_rank is None`"); 0.16 to 0.18 skip it."""
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    from bridge_cli.models.provider import GPTModelProvider
+    from bridge_cli.models.specs import layer_spec
+
+    config = GPTModelProvider(**{**MLA, "q_lora_rank": q_lora_rank})
+    attention = layer_spec("torch", config).submodules.self_attention.submodules
+    assert attention.q_layernorm is (IdentityOp if q_lora_rank is None else WrappedTorchNorm)
+    assert attention.kv_layernorm is WrappedTorchNorm
 
 
 def test_a_row_of_two_documents_computes_each_as_if_alone(one_process):
@@ -89,6 +111,19 @@ def test_latents_that_do_not_split_over_the_tensor_parallel_ranks_are_refused():
                              q_lora_rank=24, kv_lora_rank=14, qk_pos_emb_head_dim=8)
     with pytest.raises(RuntimeUnavailable, match=r"model.kv_lora_rank \+ model.qk_pos_emb_head_dim = 22 is not a "
                                                  "multiple of model.tensor_model_parallel_size=4"):
+        check_config(config, "torch")
+
+
+def test_the_fused_down_projection_is_refused_on_the_torch_spec():
+    """megatron-core 0.19's model.mla_down_proj_fusion builds a fused down projection on the te spec only; the
+    torch spec's local layer spec would leave it out without a word."""
+    from types import SimpleNamespace
+
+    from bridge_cli.models.mla import check_config
+
+    config = SimpleNamespace(fp8=None, cache_mla_latents=False, apply_rope_fusion=False, mla_down_proj_fusion=True,
+                             tensor_model_parallel_size=1, q_lora_rank=24, kv_lora_rank=16, qk_pos_emb_head_dim=8)
+    with pytest.raises(RuntimeUnavailable, match="model.mla_down_proj_fusion=true .* set it to false or model.spec=te"):
         check_config(config, "torch")
 
 
