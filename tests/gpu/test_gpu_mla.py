@@ -1,16 +1,21 @@
 """Multi-latent attention's fast GPU path (issue 43): the tiny MLA model of tests/unit/test_mla.py, its value heads
 of another size than its query and key heads, on CUDA in bf16 through cuDNN / FlashAttention-style SDPA equals the
 same weights on the CPU in fp32 through the math kernel (logits and every weight gradient, at bf16 tolerance),
-and its layers compile (model.compile_layers) without graph breaks, in-process and in a training run."""
+and its layers compile (model.compile_layers) without graph breaks, in-process and in a training run.
+
+The CPU run is a process that sees no GPU, as a CPU run of bridge is: wherever CUDA is available megatron-core
+(0.16 to 0.19) computes every RoPE table, MLA's YaRN one included, on the current CUDA device, also for a model
+kept on the CPU, whose forward then fails mixing cuda:0 and cpu tensors."""
 
 from __future__ import annotations
 
 import re
+import sys
 
 import pytest
 import torch
 
-from tests.conftest import bridge
+from tests.conftest import bridge, run
 from tests.integration.test_pretrain_cpu import losses
 from tests.unit.test_mla import mla_model
 
@@ -35,26 +40,46 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def fp32_reference(q_lora_rank):
+    """(weights, logits, gradients) of the fp32 model through the math kernel, on the CPU."""
     model = mla_model(q_lora_rank=q_lora_rank, sdpa_backend="math", **SHAPE).train()
-    return model, logits_and_grads(model, "cpu")
+    return model.state_dict(), *logits_and_grads(model, "cpu")
 
 
-def bf16_gpu(reference, q_lora_rank, backend):
+CPU_RUN = """
+import sys
+import torch
+from bridge_cli.runtime.distributed import init_distributed
+from tests.gpu.test_gpu_mla import fp32_reference
+init_distributed("gloo", 1, 1, 1)
+torch.save({rank: fp32_reference(rank) for rank in (24, None)}, sys.argv[1])
+"""
+
+
+@pytest.fixture(scope="module")
+def cpu_runs(tmp_path_factory):
+    """fp32_reference of each q_lora_rank, computed by a process that sees no GPU (see the module's doc)."""
+    path = tmp_path_factory.mktemp("mla") / "cpu_runs.pt"
+    done = run(sys.executable, "-c", CPU_RUN, str(path), env={"CUDA_VISIBLE_DEVICES": ""}, hand_off=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return torch.load(path, weights_only=False)
+
+
+def bf16_gpu(weights, q_lora_rank, backend):
     model = mla_model(q_lora_rank=q_lora_rank, sdpa_backend=backend, params_dtype=torch.bfloat16, bf16=True, **SHAPE)
-    model.load_state_dict(reference.state_dict())  # the reference's weights, rounded to bf16
+    model.load_state_dict(weights)  # the reference's weights, rounded to bf16
     return model.cuda().train()
 
 
 @pytest.mark.parametrize("backend", ["auto", "cudnn", "flash", "efficient"])
 @pytest.mark.parametrize("q_lora_rank", [24, None])
-def test_mla_in_bf16_on_the_gpu_equals_fp32_on_the_cpu(one_process, q_lora_rank, backend):
+def test_mla_in_bf16_on_the_gpu_equals_fp32_on_the_cpu(one_process, cpu_runs, q_lora_rank, backend):
     """A backend torch cannot run at these head sizes (FlashAttention wants one head size for q, k and v) is refused
     at build naming model.sdpa_backend; that refusal is the test's answer for it, said in the skip."""
     from bridge_cli.runtime.errors import RuntimeUnavailable
 
-    reference, (expected, expected_grads) = fp32_reference(q_lora_rank)
+    weights, expected, expected_grads = cpu_runs[q_lora_rank]
     try:
-        model = bf16_gpu(reference, q_lora_rank, backend)
+        model = bf16_gpu(weights, q_lora_rank, backend)
     except RuntimeUnavailable as refused:
         assert backend != "auto" and f"model.sdpa_backend={backend} cannot run" in str(refused)
         pytest.skip(str(refused))
@@ -65,15 +90,15 @@ def test_mla_in_bf16_on_the_gpu_equals_fp32_on_the_cpu(one_process, q_lora_rank,
         assert relative(grad, expected_grads[name]) < 5e-2, name
 
 
-def test_mla_layers_compile_without_graph_breaks(one_process):
+def test_mla_layers_compile_without_graph_breaks(one_process, cpu_runs):
     """model.compile_layers on the bf16 GPU model: no graph break in a forward and backward, no new graph at the
     second step (a recompile), and the compiled logits and gradients equal the eager ones."""
     from torch._dynamo.utils import counters
 
     from bridge_cli.models.regional_compile import compile_layers
 
-    reference, _ = fp32_reference(24)
-    eager, compiled = (bf16_gpu(reference, 24, "auto") for _ in range(2))
+    weights = cpu_runs[24][0]
+    eager, compiled = (bf16_gpu(weights, 24, "auto") for _ in range(2))
     expected, expected_grads = logits_and_grads(eager, "cuda")
     torch._dynamo.reset()
     counters.clear()
