@@ -5,8 +5,8 @@ The teacher is ``distill.teacher_checkpoint``: a checkpoint bridge saved, or a H
 as ``checkpoint.pretrained_checkpoint`` is (:func:`~bridge_cli.convert.hf_training.converted_for_loading`).
 Its shape (depth, width, heads, ...) is its own, read from the checkpoint's run_config.yaml or config.json;
 how it runs is the model's: the same tensor-parallel layout (so both hold the same slice of the vocabulary),
-precision, layer spec and sequence length. It must have the model's vocabulary. It is built at the first
-micro-batch (``pretrain()`` builds the model and the process groups first), kept in eval mode, without
+precision, layer spec and sequence length. It must have the model's vocabulary. It is built once the model and
+the process groups are (``pretrain()`` builds both), before the first micro-batch, kept in eval mode, without
 gradients, outside the optimizer and the checkpoints.
 """
 
@@ -42,15 +42,14 @@ class DistillForwardStep:
 
     def __init__(self):
         self.teacher: Optional[Any] = None
-        """The frozen teacher (one GPTModel: pipeline parallelism is refused), built at the first micro-batch."""
+        """The frozen teacher (one GPTModel: pipeline parallelism is refused), built before the first micro-batch."""
 
     def __call__(self, state: GlobalState, data_iterator: Iterator, model):
         cfg = state.cfg
         use_mask = not getattr(cfg.dataset, "skip_getting_attention_mask_from_dataset", True)
         with timed(state.timers, "batch-generator", log_level=2):
             batch = get_batch(data_iterator, state.runtime.device, use_mask)
-        if self.teacher is None:
-            self.teacher = build_teacher(state)
+        self.build_frozen(state)
         inputs = (batch["tokens"], batch["position_ids"], batch.get("attention_mask"))
         documents = batch.pop("document_ids", None)
         with torch.no_grad():
@@ -62,6 +61,13 @@ class DistillForwardStep:
                                          vocab_size=cfg.derived.vocab_size, group=_tensor_parallel_group(cfg),
                                          check_for_nan_in_loss=checks.check_for_nan_in_loss,
                                          check_for_spiky_loss=checks.check_for_spiky_loss)
+
+
+    def build_frozen(self, state: GlobalState) -> None:
+        """Build the teacher (once). Every rank calls this before the schedule runs
+        (:func:`~bridge_cli.training.objectives.build_frozen_models`), as loading takes collectives."""
+        if self.teacher is None:
+            self.teacher = build_teacher(state)
 
 
 def _packed(model_config, documents: Optional[torch.Tensor], batch: dict) -> dict:

@@ -3,9 +3,15 @@ reference model (no gradient) and the policy, and the DPO loss of :mod:`bridge_c
 
 The reference is the model training started from: with ``peft=lora``, the same model with its
 adapters off (the frozen base; no second copy); otherwise a frozen copy loaded from
-``checkpoint.pretrained_checkpoint``, built at the first micro-batch (``pretrain()`` builds the
-policy and the process groups; the copy needs both) and kept in eval mode. Both passes see the
+``checkpoint.pretrained_checkpoint``, built once the policy and the process groups are (the copy needs
+both), before the first micro-batch, and kept in eval mode. Both passes see the
 same rows, so the policy and the reference score the same tokens.
+
+Under pipeline parallelism the reference rides in the policy's schedule: each stage runs its slice of the
+reference (no gradient) and of the policy on a micro-batch and sends both activations on as one tensor,
+policy rows then reference rows along the batch dimension (:func:`pipeline_rows`). A micro-batch holds
+whole pairs, so the last stage has both sequences of every pair and both models' log-probabilities of
+them: the loss is the one-process loss. The reference rows get a zero gradient on the way back.
 """
 
 from __future__ import annotations
@@ -46,7 +52,7 @@ class DPOForwardStep:
 
     def __init__(self):
         self.reference: Optional[list] = None
-        """The frozen copy's model chunks (without peft), built at the first micro-batch."""
+        """The frozen copy's model chunks (without peft), built before the first micro-batch."""
         self._adapted: dict[int, list] = {}
 
     def __call__(self, state: GlobalState, data_iterator: Iterator, model):
@@ -61,29 +67,67 @@ class DPOForwardStep:
             documents["packed_seq_params"] = batch_document_params(cfg.model, batch.pop("document_ids"),
                                                                    batch["position_ids"], 1, 0)
         inputs = (batch["tokens"], batch["position_ids"], None)
+        stage = _gpt_model(model)
+        policy_input, reference_input = _split_received(stage)
         with torch.no_grad():
-            reference_logps = -self.reference_forward(state, model, inputs, batch["labels"], documents).float()
+            reference = self.reference_forward(state, model, inputs, batch["labels"], documents, reference_input)
+        stage.set_input_tensor(policy_input)
         output = model(*inputs, labels=batch["labels"], **documents)
+        if not stage.post_process:  # hidden states for the next stage, which splits them the same way
+            return torch.cat([output, reference], dim=1), None
         dpo, checks = cfg.dpo, cfg.rerun_state_machine
-        return output, functools.partial(dpo_loss, batch["loss_mask"], bins, pairs, reference_logps, beta=dpo.beta,
+        return output, functools.partial(dpo_loss, batch["loss_mask"], bins, pairs, -reference.float(), beta=dpo.beta,
                                          label_smoothing=dpo.label_smoothing, loss_type=dpo.loss_type,
                                          check_for_nan_in_loss=checks.check_for_nan_in_loss,
                                          check_for_spiky_loss=checks.check_for_spiky_loss)
 
+    def build_frozen(self, state: GlobalState) -> None:
+        """Build the frozen copy (without peft; once). Every rank calls this before the schedule runs
+        (:func:`~bridge_cli.training.objectives.build_frozen_models`), as loading takes collectives."""
+        if state.cfg.peft is None and self.reference is None:
+            self.reference = build_reference(state)
+
     def reference_forward(self, state: GlobalState, model, inputs: tuple, labels: torch.Tensor,
-                          documents: dict) -> torch.Tensor:
-        """The reference's per-token cross entropy of ``labels``."""
+                          documents: dict, received: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The reference's stage of ``model``'s on this micro-batch: its per-token cross entropy of ``labels`` on
+        the last pipeline stage, else its hidden states; ``received`` is the previous stage's (None on the first)."""
         if state.cfg.peft is not None:
             from bridge_cli.peft.adapters_off import adapted_layers, adapters_off
 
             if id(model) not in self._adapted:
                 self._adapted[id(model)] = adapted_layers(model)
                 _say("DPO reference: the base model, the LoRA adapters off")
+            _gpt_model(model).set_input_tensor(received)
             with adapters_off(self._adapted[id(model)]):
                 return model(*inputs, labels=labels, **documents)
-        if self.reference is None:
-            self.reference = build_reference(state)
-        return self.reference[0](*inputs, labels=labels, **documents)
+        self.build_frozen(state)
+        chunk = self.reference[_gpt_model(model).vp_stage or 0]  # the copy's chunk of the same (virtual) stage
+        _gpt_model(chunk).set_input_tensor(received)
+        return chunk(*inputs, labels=labels, **documents)
+
+
+def pipeline_rows(cfg) -> int:
+    """The batch dimension of the activations a pipeline stage sends per micro-batch: the policy's rows and the
+    reference's (2 a pair unpacked, 1 a packed row, each twice)."""
+    from bridge_cli.data.preference import rows_per_sample
+
+    return 2 * rows_per_sample(cfg) * cfg.train.micro_batch_size
+
+
+def _gpt_model(chunk):
+    """The GPTModel inside a model chunk's wrappers (DDP, Float16Module)."""
+    from megatron.core.utils import get_attr_wrapped_model
+
+    return get_attr_wrapped_model(chunk, "decoder", return_model_obj=True)
+
+
+def _split_received(stage) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """(policy, reference) halves of what the previous pipeline stage sent (the schedule set it on ``stage``), or
+    (None, None) on the first stage. Slices of the received tensor: the policy's gradient flows back into it."""
+    if stage.pre_process:
+        return None, None
+    received = stage.decoder.input_tensor
+    return received.chunk(2, dim=1)
 
 
 def check_reference(cfg) -> None:

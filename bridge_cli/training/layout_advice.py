@@ -162,7 +162,7 @@ def _kinds(s: RunShape) -> list[list[tuple[str, RunShape]]]:
               if not (s.heads % t or s.groups % t or s.ffn % t) and (not s.experts or s.sp)]
     pipeline = [_layout(s, f"model.pipeline_model_parallel_size={p}", pp=p) for p in _doublings(s.pp, s.layers)
                 if not s.layers % (p * s.vpp) and not (s.first_stage_layers or s.last_stage_layers) and not s.fsdp
-                and s.objective == "sft"]  # DPO and distillation refuse pipeline parallelism
+                and s.objective != "distill"]  # distillation refuses pipeline parallelism
     expert = [_layout(s, f"model.expert_model_parallel_size={e}", ep=e) for e in _doublings(s.ep, s.experts)
               if not s.experts % e]
     return [sharding, micro, recompute] + [[c for c in kind if c] for kind in (tensor, pipeline, expert)]

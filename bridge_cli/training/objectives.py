@@ -24,6 +24,26 @@ def objective_step_type(objective: str) -> Optional[type]:
     return None
 
 
+def build_frozen_models(forward_step_func: ForwardStepCallable, state) -> None:
+    """Build the frozen model an objective's step holds beside the trained one (DPO's reference copy, distillation's teacher) on every
+    rank at once, before a schedule runs: under pipeline parallelism a stage's first micro-batch waits on the
+    stage before it, so a build there, whose checkpoint loading takes collectives over all ranks, would wait on
+    ranks that wait on it."""
+    step_type = objective_step_type(state.cfg.finetune.objective)
+    if step_type is not None and isinstance(forward_step_func, step_type):
+        forward_step_func.build_frozen(state)
+
+
+def pipeline_micro_batch(cfg) -> int:
+    """The batch dimension of the activations pipeline stages pass per micro-batch, which megatron-core's schedules
+    size their receive buffers by: ``train.micro_batch_size`` rows, DPO's policy and reference rows of its pairs."""
+    if cfg.finetune.objective == "dpo":
+        from bridge_cli.training.dpo_step import pipeline_rows
+
+        return pipeline_rows(cfg)
+    return cfg.train.micro_batch_size
+
+
 def objective_forward_step(objective: str, forward_step_func: ForwardStepCallable) -> ForwardStepCallable:
     """The objective's forward step, for the GPT step or one of that objective's given; another step is an
     error, not dropped."""

@@ -25,6 +25,7 @@ from bridge_cli.training.losses import grad_norm_is_finite, reduce_loss_dict
 from bridge_cli.training.state import GlobalState
 from bridge_cli.training.state_injection import prepare_forward_step_func
 from bridge_cli.training.objective_flops import flops_per_sample
+from bridge_cli.training.objectives import build_frozen_models, pipeline_micro_batch
 
 if TYPE_CHECKING:
     from bridge_cli.checkpoint.manager import Decision
@@ -60,7 +61,7 @@ def train_step(forward_step_func: ForwardStepCallable, data_iterator, model: lis
             model=model,
             num_microbatches=get_num_microbatches(),
             seq_length=cfg.model.seq_length,
-            micro_batch_size=cfg.train.micro_batch_size,
+            micro_batch_size=pipeline_micro_batch(cfg),
             decoder_seq_length=cfg.model.seq_length,
             forward_only=False,
         )
@@ -93,8 +94,9 @@ def evaluate(global_state: GlobalState, forward_step_func: ForwardStepCallable, 
     cfg = global_state.cfg
     forward_backward = get_forward_backward_func(global_state.runtime)
     step_func = prepare_forward_step_func(forward_step_func, global_state)
+    build_frozen_models(forward_step_func, global_state)
     fb_args = dict(model=model, num_microbatches=get_num_microbatches(), seq_length=cfg.model.seq_length,
-                   micro_batch_size=cfg.train.micro_batch_size, decoder_seq_length=cfg.model.seq_length,
+                   micro_batch_size=pipeline_micro_batch(cfg), decoder_seq_length=cfg.model.seq_length,
                    forward_only=True)
     for chunk in model:
         chunk.eval()
@@ -282,6 +284,7 @@ def train(forward_step_func: ForwardStepCallable, model: list, optimizer, schedu
     from megatron.core.num_microbatches_calculator import get_current_global_batch_size, update_num_microbatches
 
     step_func = prepare_forward_step_func(forward_step_func, global_state)
+    build_frozen_models(forward_step_func, global_state)
     cfg, ts, manager = global_state.cfg, global_state.train_state, global_state.checkpoint_manager
     train_cfg = cfg.train
     for chunk in model:

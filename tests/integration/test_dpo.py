@@ -176,9 +176,9 @@ def test_bad_input_exits_2_naming_the_record_line_or_field(cli, base, data, tmp_
     def finetune(*args):  # in this process: each fails before any process group or model exists
         return cli(*dpo(base, data, *args))
 
-    pipeline = finetune("model.pipeline_model_parallel_size=2", "--world-size", "2")
-    assert pipeline.exit_code == 2
-    assert "model.pipeline_model_parallel_size: is 2 with finetune.objective=dpo" in pipeline.stderr
+    context = finetune("model.context_parallel_size=2", "--world-size", "2")
+    assert context.exit_code == 2
+    assert "model.context_parallel_size: is 2 with finetune.objective=dpo" in context.stderr
     smoothing = finetune("dpo.loss_type=ipo", "dpo.label_smoothing=0.1")
     assert smoothing.exit_code == 2 and "dpo.label_smoothing: applies to loss_type=sigmoid" in smoothing.stderr
     sft = cli("finetune", "recipe=tiny_sft", "dpo.beta=0.5", f"checkpoint.pretrained_checkpoint={base}",
