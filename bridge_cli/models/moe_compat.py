@@ -1,4 +1,4 @@
-"""Two fixes to megatron-core's MoE code, applied before an MoE model is built.
+"""Three fixes to megatron-core's MoE code: two applied before an MoE model is built, one after its cast to bf16.
 
 ``define_missing_te_names``: megatron-core 0.16 imports ``te_general_gemm`` into ``moe.moe_utils``
 only when Transformer Engine imports, yet the router's gating GEMM reads it unconditionally
@@ -11,6 +11,12 @@ schedule stores on the class after each forward. ``torch.compile`` cannot trace 
 ``model.compile_layers`` every MoE layer broke into separate graphs at each level of the router's
 calls. The replacement backward does the same arithmetic and reads the scale inside a custom op,
 which compiled backward graphs call as it is, at backward time as before.
+
+``keep_router_biases_in_fp32``: megatron-core (0.16 to 0.19) keeps a router's expert bias in fp32 by
+casting it back at the start of every router forward, after ``Float16Module`` cast it to bf16 with the
+weights. Under ``model.compile_layers`` that first forward assigns ``.data`` inside the compiled layer:
+a graph break in every MoE layer (seen on an H100 with megatron-core 0.19.2, DeepSeek-V3's routing).
+Casting it once right after ``Float16Module`` does what that forward does, before anything is compiled.
 """
 
 from __future__ import annotations
@@ -53,3 +59,14 @@ def aux_loss_scaler_backward(ctx, grad_output: torch.Tensor):
     auxiliary loss gets the main loss's backward scale as its gradient."""
     (aux_loss,) = ctx.saved_tensors
     return grad_output, scaled_aux_loss_grad(aux_loss)
+
+
+def keep_router_biases_in_fp32(chunks: list) -> None:
+    """Every router's expert bias (and megatron-core 0.19's ``qb_beta`` buffers) back in fp32, as its forward would."""
+    from megatron.core.transformer.moe.router import Router
+
+    for chunk in chunks:
+        for module in chunk.modules():
+            keep = getattr(module, "_maintain_float32_expert_bias", None) if isinstance(module, Router) else None
+            if keep is not None:  # megatron-core's TopKRouter
+                keep()

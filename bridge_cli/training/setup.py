@@ -61,6 +61,10 @@ def build_model(cfg: ConfigContainer, runtime) -> list:
             # As Megatron-LM: half-precision weights, fp32 at the loss boundary.
             model = Float16Module(model_config, model)
         chunks.append(model)
+    if model_config.num_moe_experts and (model_config.fp16 or model_config.bf16):
+        from bridge_cli.models.moe_compat import keep_router_biases_in_fp32
+
+        keep_router_biases_in_fp32(chunks)
     if model_config.fp8:
         _report_fp8(chunks, model_config, runtime)
     if cfg.peft is not None:

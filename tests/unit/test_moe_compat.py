@@ -1,5 +1,5 @@
-"""The auxiliary-loss scaler bridge gives megatron-core's router: megatron-core's gradients, read at
-backward time, and a function that ``torch.compile`` traces whole."""
+"""bridge's fixes to megatron-core's router: the auxiliary-loss scaler (megatron-core's gradients, read at backward
+time, and a function that ``torch.compile`` traces whole), and the expert bias back in fp32 before anything compiles."""
 
 from __future__ import annotations
 
@@ -44,3 +44,26 @@ def test_the_aux_loss_gets_the_scale_set_after_the_forward_in_eager_and_compiled
         compiled = torch.compile(attach, fullgraph=True, dynamic=False)  # fails on a graph break
         torch.testing.assert_close(grads_with_scale_set_after_forward(compiled, scale), expected)
         monkeypatch.setattr(MoEAuxLossAutoScaler, "main_loss_backward_scale", None)
+
+
+def test_the_expert_bias_is_fp32_before_the_first_forward_after_the_bf16_cast(one_process):
+    """Float16Module casts the router's expert bias to bf16 with the weights; megatron-core casts it back in the
+    router's forward, which under compiled layers is a graph break. keep_router_biases_in_fp32 does it first."""
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.module import Float16Module
+
+    from bridge_cli.models.moe_compat import keep_router_biases_in_fp32
+    from bridge_cli.models.provider import GPTModelProvider
+
+    model_parallel_cuda_manual_seed(0)
+    config = GPTModelProvider(
+        num_layers=1, hidden_size=64, num_attention_heads=4, vocab_size=128, seq_length=16, spec="torch",
+        normalization="RMSNorm", add_bias_linear=False, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32,
+        moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, moe_token_dispatcher_type="alltoall",
+        bf16=True, params_dtype=torch.bfloat16)
+    model = Float16Module(config, config.provide())
+    biases = [m.expert_bias for m in model.modules() if getattr(m, "expert_bias", None) is not None]
+    assert biases and all(b.dtype == torch.bfloat16 for b in biases)  # what the cast leaves
+    keep_router_biases_in_fp32([model])
+    biases = [m.expert_bias for m in model.modules() if getattr(m, "expert_bias", None) is not None]
+    assert biases and all(b.dtype == torch.float32 for b in biases)
