@@ -10,10 +10,11 @@ sharded state dicts for saving and loading all run for real. Steps go through th
 ``prepare_grads`` and ``step_with_ready_grads`` (megatron-core's own step less the grad norm, whose CUDA
 kernels have no CPU fallback; clip_grad is 0, so no clip is skipped).
 
-Every layout starts from the same weights (runtime_worker.init_by_global_name) and trains on the same fixed
-tokens, each data-parallel rank taking its share. ``--save-at N`` saves iteration N into ``--ckpt``;
-``--resume`` loads the newest checkpoint there (bridge_cli.checkpoint.load) and trains on to ``--steps``. The
-last rank writes the losses and the lines bridge's load printed to ``--out``.
+A dense layout starts from the same weights (runtime_worker.init_by_global_name); every run trains on the same
+fixed tokens, each data-parallel rank taking its share. ``--save-at N`` saves iteration N into ``--ckpt`` through
+bridge's CheckpointManager (as a run saves: spread over the data-parallel ranks) and trains on; ``--resume`` loads
+the newest checkpoint there (bridge_cli.checkpoint.load) and trains on to ``--steps``. The last rank writes the
+losses and the lines bridge's load printed to ``--out``.
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ from megatron.core import parallel_state as ps
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-from bridge_cli.checkpoint import layout, load, state_dict
-from bridge_cli.checkpoint.save import write_checkpoint
+from bridge_cli.checkpoint import layout, load
+from bridge_cli.checkpoint.manager import CheckpointManager
 from bridge_cli.checkpoint.train_state import TrainState
 from bridge_cli.runtime.cpu_patches import _TorchOnCPU, apply_cpu_patches
 from bridge_cli.runtime.ddp import configure_grad_sync, wrap_model
@@ -95,12 +96,15 @@ def main() -> None:
             torch.distributed.all_reduce(summed, group=ps.get_data_parallel_group())
             losses.append((summed[0] / summed[1]).item())
         if train_state.step == args.save_at:
-            metadata = state_dict.content_metadata(True)
+            saver = CheckpointManager(
+                SimpleNamespace(save=str(args.ckpt), save_optim=True, save_rng=False, async_save=False,
+                                most_recent_k=-1, fully_parallel_save=True, ckpt_assume_constant_structure=False),
+                model=chunks, optimizer=optimizer, scheduler=None, train_state=train_state, run_record=run,
+                use_distributed_optimizer=True, is_cuda=False, world_size=runtime.world_size, seq_length=SEQ)
             if args.sharding:
-                metadata["distrib_optim_sharding_type"] = args.sharding
-            sharded = state_dict.build(train_state, chunks, optimizer, None, metadata=metadata, optim=True,
-                                       rng=False, is_cuda=False)
-            write_checkpoint(args.ckpt, train_state.step, sharded, run, content_metadata=metadata)
+                saver.metadata["distrib_optim_sharding_type"] = args.sharding
+            saver.save()
+            saver.close()
     if runtime.rank == runtime.world_size - 1:  # the rank that prints bridge's log, on the last pipeline stage
         args.out.write_text(json.dumps({"loss": losses, "log": said.getvalue()}))
     destroy_distributed()
