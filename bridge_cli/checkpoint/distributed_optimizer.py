@@ -7,7 +7,9 @@ as they are: it loads only where tensor, pipeline and expert parallelism are the
 gathers its state and cuts it per weight, under the weight's own key and global shape
 (``optimizer.state.{param,exp_avg,exp_avg_sq}.<weight>``, ``param`` being the fp32 main weight), so it loads
 under any TP, PP, EP or DP; the param groups and the step count go into the common state. Bridge saves
-that way (:func:`bridge_cli.checkpoint.state_dict.content_metadata`) and loads either.
+that way with ``checkpoint.dist_ckpt_optim_fully_reshardable=true``
+(:func:`bridge_cli.checkpoint.state_dict.content_metadata`; off by default, as in Megatron-LM, since saving
+gathers each data-parallel group's whole state on every rank of the group) and loads either.
 
 Loading needs two things megatron-core 0.16-0.19 does not do for torch's Adam (no Transformer Engine or
 Apex), both done by :func:`load`:
@@ -30,7 +32,7 @@ from typing import Any, Optional
 import torch
 
 FULLY_RESHARDABLE = "fully_reshardable"
-"""The sharding bridge saves, and the one that loads under another layout."""
+"""The sharding ``checkpoint.dist_ckpt_optim_fully_reshardable`` saves, the one that loads under another layout."""
 
 
 def saved_sharding(common: dict) -> Optional[str]:

@@ -304,8 +304,8 @@ def _optimizer_state_fits(path: Path, cfg, stored: dict, saved: Optional[dict], 
 
 def _older_sharding(sharding: Optional[str]) -> str:
     """Why a distributed optimizer's state is tied to its layout: the sharding it was saved with."""
-    return (f" (saved {sharding or 'without a recorded sharding'}; bridge saves "
-            f"{distributed_optimizer.FULLY_RESHARDABLE}, which loads under any layout)")
+    return (f" (saved {sharding or 'without a recorded sharding'}; save with "
+            "checkpoint.dist_ckpt_optim_fully_reshardable=true for state that loads under any layout)")
 
 
 def _is_optimizer_key(key: str) -> bool:

@@ -61,7 +61,7 @@ class CheckpointManager:
         self.cfg = cfg
         self.model, self.optimizer, self.scheduler, self.train_state = model, optimizer, scheduler, train_state
         self.run_record = run_record
-        self.metadata = state_dict.content_metadata(use_distributed_optimizer)
+        self.metadata = state_dict.content_metadata(use_distributed_optimizer, cfg)
         self.is_cuda, self.world_size, self.seq_length = is_cuda, world_size, seq_length
         self.adapters = adapters
         self.base_checkpoint: Optional[str] = None

@@ -25,13 +25,17 @@ CHECKPOINT_VERSION = 3.0
 FORMAT = "bridge_cli torch_dist v1"
 
 
-def content_metadata(use_distributed_optimizer: bool) -> dict[str, Any]:
-    """How model and optimizer state are sharded; saved in the checkpoint, as Megatron-LM does."""
+def content_metadata(use_distributed_optimizer: bool, checkpoint_cfg=None) -> dict[str, Any]:
+    """How model and optimizer state are sharded; saved in the checkpoint, as Megatron-LM does.
+
+    The distributed optimizer's state is ``dp_reshardable`` (Megatron-LM's default), or ``fully_reshardable`` where
+    ``checkpoint_cfg.dist_ckpt_optim_fully_reshardable`` asks (see checkpoint/distributed_optimizer.py)."""
     metadata: dict[str, Any] = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
     if use_distributed_optimizer:
-        # Saved per weight with global shapes, so the state loads under another TP, PP, EP or DP layout
-        # (Megatron-LM's --dist-ckpt-optim-fully-reshardable); see checkpoint/distributed_optimizer.py.
-        metadata["distrib_optim_sharding_type"] = "fully_reshardable"
+        fully = checkpoint_cfg is not None and checkpoint_cfg.dist_ckpt_optim_fully_reshardable
+        metadata["distrib_optim_sharding_type"] = "fully_reshardable" if fully else "dp_reshardable"
+        if fully and checkpoint_cfg.distrib_optim_fully_reshardable_mem_efficient:
+            metadata["distrib_optim_fully_reshardable_mem_efficient"] = True
     return metadata
 
 

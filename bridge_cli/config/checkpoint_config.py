@@ -87,7 +87,19 @@ class CheckpointConfig:
     """Directory to save the converted checkpoint to."""
 
     fully_parallel_save: bool = True
-    """Spread saving across data-parallel ranks (makes distributed-optimizer checkpoints non-reshardable)."""
+    """Spread saving across data-parallel ranks."""
+
+    dist_ckpt_optim_fully_reshardable: bool = False
+    """Save the distributed optimizer's state per weight with global shapes (megatron-core's ``fully_reshardable``,
+    Megatron-LM's ``--dist-ckpt-optim-fully-reshardable``), so that Adam's moments load under another TP, PP or EP
+    layout too; off, they load under another data-parallel size only (``dp_reshardable``) and a run under another
+    layout starts its optimizer fresh. Saving gathers each data-parallel group's whole optimizer state on every
+    rank of the group (12 bytes per weight of the group's share of the model): for large models see
+    ``distrib_optim_fully_reshardable_mem_efficient``."""
+
+    distrib_optim_fully_reshardable_mem_efficient: bool = False
+    """With ``dist_ckpt_optim_fully_reshardable``: gather the state on the first rank of each data-parallel group only,
+    over gloo (less memory, slower saves; megatron-core's flag of that name). Loads the same either way."""
 
     async_save: bool = False
     """Save checkpoints asynchronously (torch_dist format only)."""

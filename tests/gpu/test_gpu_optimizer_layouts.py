@@ -1,5 +1,5 @@
 """The distributed optimizer's Adam state follows a change of layout on 2 GPUs (docs/checkpoints.md): a run saves
-``fully_reshardable`` at iteration 6 under layout A, another resumes it under layout B and saves at 9, a third
+``fully_reshardable`` (``checkpoint.dist_ckpt_optim_fully_reshardable=true``) at iteration 6 under layout A, another resumes it under layout B and saves at 9, a third
 resumes that under A to 12; all 6 resumed losses equal the uninterrupted run's under A to 1e-3 (fp32, so bf16's
 rounding does not hide a fresh optimizer), and no log says the optimizer starts fresh.
 
@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.slow,
                                  reason="needs 2 GPUs")]
 
 COMMON = ["train.train_iters=12", "logger.log_interval=1", "train.eval_iters=0", "mixed_precision=fp32",
-          "optimizer.use_distributed_optimizer=true"]
+          "optimizer.use_distributed_optimizer=true", "checkpoint.dist_ckpt_optim_fully_reshardable=true"]
 # the small recipes the CPU resume tests use, which the GPU tests run in fp32 too (test_gpu_rerun)
 DENSE = ["recipe=tiny", *COMMON]
 MOE = ["recipe=tiny_moe", "model.moe_grouped_gemm=true", *COMMON]

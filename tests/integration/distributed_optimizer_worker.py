@@ -55,7 +55,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--save-at", type=int, default=0)
     parser.add_argument("--resume", action="store_true")
-    parser.add_argument("--sharding", default=None, help="distrib_optim_sharding_type to save with (default: bridge's)")
+    parser.add_argument("--sharding", default="fully_reshardable", choices=["fully_reshardable", "dp_reshardable"],
+                        help="how to save the optimizer: fully_reshardable sets checkpoint.dist_ckpt_optim_fully_reshardable")
+    parser.add_argument("--mem-efficient", action="store_true",
+                        help="checkpoint.distrib_optim_fully_reshardable_mem_efficient")
     args = parser.parse_args()
 
     runtime = init_distributed("gloo", 2, args.tp, args.pp, expert_model_parallel_size=max(args.ep, 1))
@@ -98,11 +101,11 @@ def main() -> None:
         if train_state.step == args.save_at:
             saver = CheckpointManager(
                 SimpleNamespace(save=str(args.ckpt), save_optim=True, save_rng=False, async_save=False,
-                                most_recent_k=-1, fully_parallel_save=True, ckpt_assume_constant_structure=False),
+                                most_recent_k=-1, fully_parallel_save=True, ckpt_assume_constant_structure=False,
+                                dist_ckpt_optim_fully_reshardable=args.sharding == "fully_reshardable",
+                                distrib_optim_fully_reshardable_mem_efficient=args.mem_efficient),
                 model=chunks, optimizer=optimizer, scheduler=None, train_state=train_state, run_record=run,
                 use_distributed_optimizer=True, is_cuda=False, world_size=runtime.world_size, seq_length=SEQ)
-            if args.sharding:
-                saver.metadata["distrib_optim_sharding_type"] = args.sharding
             saver.save()
             saver.close()
     if runtime.rank == runtime.world_size - 1:  # the rank that prints bridge's log, on the last pipeline stage
