@@ -80,9 +80,7 @@ def check_objective(cfg) -> None:
                     raise ConfigError(f"{section}.{f.name}", f"is set, but finetune.objective is {objective}.",
                                       f"Set finetune.objective={owner} to {what}, or drop the {section} override.")
     if objective == "distill":
-        _refuse_layouts(cfg.model, objective, "distillation under pipeline parallelism is not supported yet (the "
-                        "teacher would need the same stages)", "distillation under context parallelism is not "
-                        "supported yet")
+        _refuse_layouts(cfg.model, objective, None, "distillation under context parallelism is not supported yet")
     if objective != "dpo":
         return
     from bridge_cli.config.data_configs import FinetuningDatasetConfig

@@ -4,10 +4,12 @@ and the model, and the loss of :mod:`bridge_cli.training.distill_loss` on their 
 The teacher is ``distill.teacher_checkpoint``: a checkpoint bridge saved, or a Hugging Face folder converted
 as ``checkpoint.pretrained_checkpoint`` is (:func:`~bridge_cli.convert.hf_training.converted_for_loading`).
 Its shape (depth, width, heads, ...) is its own, read from the checkpoint's run_config.yaml or config.json;
-how it runs is the model's: the same tensor-parallel layout (so both hold the same slice of the vocabulary),
-precision, layer spec and sequence length. It must have the model's vocabulary. It is built once the model and
-the process groups are (``pretrain()`` builds both), before the first micro-batch, kept in eval mode, without
-gradients, outside the optimizer and the checkpoints.
+how it runs is the model's: the same tensor- and pipeline-parallel layout (so both hold the same slice of the
+vocabulary, and each stage its share of the teacher's layers), precision, layer spec and sequence length. It
+must have the model's vocabulary. It is built once the model and the process groups are (``pretrain()`` builds
+both), before the first micro-batch, kept in eval mode, without gradients, outside the optimizer and the
+checkpoints. Under pipeline parallelism the teacher's activations ride in the model's schedule
+(:mod:`bridge_cli.training.frozen_pipeline`), so the last stage has both models' logits of the same micro-batch.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from bridge_cli.checkpoint.errors import CheckpointError
 from bridge_cli.config.errors import ConfigError
 from bridge_cli.logging.timers import timed
 from bridge_cli.training.distill_loss import distill_loss
+from bridge_cli.training.frozen_pipeline import frozen_chunk, frozen_rows, gpt_model, joined, received
 from bridge_cli.training.gpt_step import get_batch
 from bridge_cli.training.state import GlobalState
 
@@ -41,8 +44,8 @@ class DistillForwardStep:
     """``forward_step(state, data_iterator, model)`` for distillation; holds the teacher between micro-batches."""
 
     def __init__(self):
-        self.teacher: Optional[Any] = None
-        """The frozen teacher (one GPTModel: pipeline parallelism is refused), built before the first micro-batch."""
+        self.teacher: Optional[list] = None
+        """The frozen teacher's chunks, one per (virtual) pipeline stage, built before the first micro-batch."""
 
     def __call__(self, state: GlobalState, data_iterator: Iterator, model):
         cfg = state.cfg
@@ -52,9 +55,15 @@ class DistillForwardStep:
         self.build_frozen(state)
         inputs = (batch["tokens"], batch["position_ids"], batch.get("attention_mask"))
         documents = batch.pop("document_ids", None)
+        stage, teacher = gpt_model(model), frozen_chunk(self.teacher, model)
+        model_input, teacher_input = received(model, batch["tokens"].shape[0], teacher.config.hidden_size)
+        gpt_model(teacher).set_input_tensor(teacher_input)
         with torch.no_grad():
-            teacher_logits = self.teacher(*inputs, **_packed(self.teacher.config, documents, batch))
+            teacher_logits = teacher(*inputs, **_packed(teacher.config, documents, batch))
+        stage.set_input_tensor(model_input)
         logits = model(*inputs, **_packed(cfg.model, documents, batch))
+        if not stage.post_process:  # hidden states (both models') for the next stage
+            return joined(logits, teacher_logits), None
         distill, checks = cfg.distill, cfg.rerun_state_machine
         return logits, functools.partial(distill_loss, batch["loss_mask"], batch["labels"], teacher_logits,
                                          temperature=distill.temperature, ce_weight=distill.ce_weight,
@@ -68,6 +77,21 @@ class DistillForwardStep:
         (:func:`~bridge_cli.training.objectives.build_frozen_models`), as loading takes collectives."""
         if self.teacher is None:
             self.teacher = build_teacher(state)
+
+
+def pipeline_rows(cfg) -> int:
+    """The batch dimension of the activations a pipeline stage sends per micro-batch: the model's rows and the
+    teacher's, laid out as rows of the model's hidden size."""
+    rows = cfg.train.micro_batch_size
+    if cfg.model.pipeline_model_parallel_size == 1:
+        return rows
+    return rows + frozen_rows(rows, _teacher_hidden_size(cfg.distill.teacher_checkpoint), cfg.model.hidden_size)
+
+
+@functools.lru_cache(maxsize=None)
+def _teacher_hidden_size(teacher: str) -> int:
+    """Read once: the schedules ask at every step."""
+    return saved_model_values_of(teacher)[0]["hidden_size"]
 
 
 def _packed(model_config, documents: Optional[torch.Tensor], batch: dict) -> dict:
@@ -91,15 +115,20 @@ def teacher_model_values(cfg) -> tuple[dict[str, Any], str]:
     """(the teacher's ``model:`` fields, where they were read) from ``distill.teacher_checkpoint``; a ConfigError or
     CheckpointError naming the field when it is unset or holds no model. A Hugging Face folder gives its
     config.json's fields (the ones import-hf maps), a bridge checkpoint its run_config.yaml's model section."""
+    teacher = cfg.distill.teacher_checkpoint
+    if teacher is None:
+        raise ConfigError(FIELD, "is not set; finetune.objective=distill trains the model on a teacher's logits.",
+                          f"Set {FIELD}=DIR (a checkpoint bridge saved, or a Hugging Face model folder).")
+    return saved_model_values_of(teacher)
+
+
+def saved_model_values_of(teacher: str) -> tuple[dict[str, Any], str]:
+    """:func:`teacher_model_values` of the teacher folder ``teacher``."""
     from bridge_cli.checkpoint import verify
     from bridge_cli.checkpoint.layout import is_hugging_face_folder, require_checkpoint
     from bridge_cli.convert.hf_training import model_fields
     from bridge_cli.convert.mcore_io import saved_model_values
 
-    teacher = cfg.distill.teacher_checkpoint
-    if teacher is None:
-        raise ConfigError(FIELD, "is not set; finetune.objective=distill trains the model on a teacher's logits.",
-                          f"Set {FIELD}=DIR (a checkpoint bridge saved, or a Hugging Face model folder).")
     if is_hugging_face_folder(teacher):
         return model_fields(teacher)[1], str(Path(teacher) / "config.json")
     with as_teacher(teacher):
@@ -157,6 +186,12 @@ def check_teacher(cfg) -> dict[str, Any]:
             raise ConfigError(FIELD, f"the teacher has {key}={count} ({where}), which "
                               f"model.tensor_model_parallel_size={tp} does not divide; the teacher runs in the "
                               "model's tensor-parallel layout.", "Choose a tensor-parallel size that divides both.")
+    stages = cfg.model.pipeline_model_parallel_size * (cfg.model.virtual_pipeline_model_parallel_size or 1)
+    if values.get("num_layers", 0) % stages:
+        raise ConfigError(FIELD, f"the teacher has {values.get('num_layers')} layers ({where}), which the model's "
+                          f"{stages} pipeline stages (model.pipeline_model_parallel_size x "
+                          "virtual_pipeline_model_parallel_size) do not divide; each stage runs its share of the "
+                          "teacher's layers.", "Choose a pipeline size that divides both models' layers.")
     if values.get("position_embedding_type") == "learned_absolute" and \
             cfg.model.seq_length > values.get("seq_length", cfg.model.seq_length):
         raise ConfigError("model.seq_length", f"is {cfg.model.seq_length}; the teacher's learned position embeddings "
@@ -183,8 +218,9 @@ def teacher_config(cfg, values: dict[str, Any]):
     return mcore_schema.build("model", GPTModelProvider, merged)
 
 
-def build_teacher(state: GlobalState):
-    """The frozen teacher: ``distill.teacher_checkpoint``'s weights in the model's layout, eval mode, no gradients."""
+def build_teacher(state: GlobalState) -> list:
+    """The frozen teacher's chunks: ``distill.teacher_checkpoint``'s weights in the model's layout (one chunk per
+    (virtual) pipeline stage of this rank), eval mode, no gradients."""
     from megatron.core.transformer.module import Float16Module
 
     from bridge_cli.checkpoint.layout import require_checkpoint
@@ -207,16 +243,29 @@ def build_teacher(state: GlobalState):
             refuse_adapters(teacher, found, adapter_metadata(found), None)
         config = teacher_config(cfg, values)
         cfg.derived = dataclasses.replace(state.cfg.derived, model=config)
-        model = config.provide(pre_process=True, post_process=True).to(state.runtime.device)
-        if config.fp16 or config.bf16:
-            model = Float16Module(config, model)
-        load_checkpoint(GlobalState(cfg=cfg, runtime=state.runtime), [model], None, None, weights_only=True,
+        chunks = []
+        for pre, post, stage in _pipeline_stages(cfg.model.virtual_pipeline_model_parallel_size):
+            chunk = config.provide(pre_process=pre, post_process=post, vp_stage=stage).to(state.runtime.device)
+            chunks.append(Float16Module(config, chunk) if config.fp16 or config.bf16 else chunk)
+        load_checkpoint(GlobalState(cfg=cfg, runtime=state.runtime), chunks, None, None, weights_only=True,
                         pretrained=converted)
-    model.eval()
-    model.requires_grad_(False)
+    for chunk in chunks:
+        chunk.eval()
+        chunk.requires_grad_(False)
     _say(f"distillation teacher: {teacher} ({config.num_layers} layers, hidden {config.hidden_size}), frozen: eval "
          "mode, no gradients, no optimizer state")
-    return model
+    return chunks
+
+
+def _pipeline_stages(vpp: Optional[int]) -> list[tuple[bool, bool, Optional[int]]]:
+    """(first stage, last stage, virtual stage) of each model chunk this rank holds, as the model's are built."""
+    from megatron.core import parallel_state
+
+    if not vpp:
+        return [(parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage(), None)]
+    return [(parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+             parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage), stage)
+            for stage in range(vpp)]
 
 
 def _say(line: str) -> None:

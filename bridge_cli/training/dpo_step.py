@@ -7,11 +7,10 @@ adapters off (the frozen base; no second copy); otherwise a frozen copy loaded f
 both), before the first micro-batch, and kept in eval mode. Both passes see the
 same rows, so the policy and the reference score the same tokens.
 
-Under pipeline parallelism the reference rides in the policy's schedule: each stage runs its slice of the
-reference (no gradient) and of the policy on a micro-batch and sends both activations on as one tensor,
-policy rows then reference rows along the batch dimension (:func:`pipeline_rows`). A micro-batch holds
-whole pairs, so the last stage has both sequences of every pair and both models' log-probabilities of
-them: the loss is the one-process loss. The reference rows get a zero gradient on the way back.
+Under pipeline parallelism the reference rides in the policy's schedule
+(:mod:`bridge_cli.training.frozen_pipeline`): each stage runs its layers of the reference (no gradient) and of
+the policy on a micro-batch and sends both outputs on as one tensor. A micro-batch holds whole pairs, so the
+last stage has both sequences of every pair and both models' log-probabilities of them: the one-process loss.
 """
 
 from __future__ import annotations
@@ -25,6 +24,7 @@ import torch
 
 from bridge_cli.logging.timers import timed
 from bridge_cli.training.dpo_loss import dpo_loss
+from bridge_cli.training.frozen_pipeline import frozen_chunk, gpt_model, joined, received
 from bridge_cli.training.gpt_step import get_batch
 from bridge_cli.training.state import GlobalState
 
@@ -67,14 +67,15 @@ class DPOForwardStep:
             documents["packed_seq_params"] = batch_document_params(cfg.model, batch.pop("document_ids"),
                                                                    batch["position_ids"], 1, 0)
         inputs = (batch["tokens"], batch["position_ids"], None)
-        stage = _gpt_model(model)
-        policy_input, reference_input = _split_received(stage)
+        stage = gpt_model(model)
+        rows = batch["tokens"].shape[0]
+        policy_input, reference_input = received(model, rows, stage.config.hidden_size)
         with torch.no_grad():
             reference = self.reference_forward(state, model, inputs, batch["labels"], documents, reference_input)
         stage.set_input_tensor(policy_input)
         output = model(*inputs, labels=batch["labels"], **documents)
-        if not stage.post_process:  # hidden states for the next stage, which splits them the same way
-            return torch.cat([output, reference], dim=1), None
+        if not stage.post_process:  # hidden states for the next stage
+            return joined(output, reference), None
         dpo, checks = cfg.dpo, cfg.rerun_state_machine
         return output, functools.partial(dpo_loss, batch["loss_mask"], bins, pairs, -reference.float(), beta=dpo.beta,
                                          label_smoothing=dpo.label_smoothing, loss_type=dpo.loss_type,
@@ -88,46 +89,30 @@ class DPOForwardStep:
             self.reference = build_reference(state)
 
     def reference_forward(self, state: GlobalState, model, inputs: tuple, labels: torch.Tensor,
-                          documents: dict, received: Optional[torch.Tensor] = None) -> torch.Tensor:
+                          documents: dict, previous: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The reference's stage of ``model``'s on this micro-batch: its per-token cross entropy of ``labels`` on
-        the last pipeline stage, else its hidden states; ``received`` is the previous stage's (None on the first)."""
+        the last pipeline stage, else its hidden states; ``previous``: the previous stage's (None on the first)."""
         if state.cfg.peft is not None:
             from bridge_cli.peft.adapters_off import adapted_layers, adapters_off
 
             if id(model) not in self._adapted:
                 self._adapted[id(model)] = adapted_layers(model)
                 _say("DPO reference: the base model, the LoRA adapters off")
-            _gpt_model(model).set_input_tensor(received)
+            gpt_model(model).set_input_tensor(previous)
             with adapters_off(self._adapted[id(model)]):
                 return model(*inputs, labels=labels, **documents)
         self.build_frozen(state)
-        chunk = self.reference[_gpt_model(model).vp_stage or 0]  # the copy's chunk of the same (virtual) stage
-        _gpt_model(chunk).set_input_tensor(received)
+        chunk = frozen_chunk(self.reference, model)
+        gpt_model(chunk).set_input_tensor(previous)
         return chunk(*inputs, labels=labels, **documents)
 
 
 def pipeline_rows(cfg) -> int:
-    """The batch dimension of the activations a pipeline stage sends per micro-batch: the policy's rows and the
-    reference's (2 a pair unpacked, 1 a packed row, each twice)."""
+    """The batch dimension of the activations a pipeline stage sends per micro-batch: the policy's rows (2 a pair
+    unpacked, 1 a packed row) and as many of the reference's."""
     from bridge_cli.data.preference import rows_per_sample
 
     return 2 * rows_per_sample(cfg) * cfg.train.micro_batch_size
-
-
-def _gpt_model(chunk):
-    """The GPTModel inside a model chunk's wrappers (DDP, Float16Module)."""
-    from megatron.core.utils import get_attr_wrapped_model
-
-    return get_attr_wrapped_model(chunk, "decoder", return_model_obj=True)
-
-
-def _split_received(stage) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """(policy, reference) halves of what the previous pipeline stage sent (the schedule set it on ``stage``), or
-    (None, None) on the first stage. Slices of the received tensor: the policy's gradient flows back into it."""
-    if stage.pre_process:
-        return None, None
-    received = stage.decoder.input_tensor
-    return received.chunk(2, dim=1)
 
 
 def check_reference(cfg) -> None:

@@ -25,10 +25,10 @@ def objective_step_type(objective: str) -> Optional[type]:
 
 
 def build_frozen_models(forward_step_func: ForwardStepCallable, state) -> None:
-    """Build the frozen model an objective's step holds beside the trained one (DPO's reference copy, distillation's teacher) on every
-    rank at once, before a schedule runs: under pipeline parallelism a stage's first micro-batch waits on the
-    stage before it, so a build there, whose checkpoint loading takes collectives over all ranks, would wait on
-    ranks that wait on it."""
+    """Build the frozen model an objective's step holds beside the trained one (DPO's reference copy,
+    distillation's teacher) on every rank at once, before a schedule runs: under pipeline parallelism a stage's
+    first micro-batch waits on the stage before it, so a build there, whose checkpoint loading takes collectives
+    over all ranks, would wait on ranks that wait on it."""
     step_type = objective_step_type(state.cfg.finetune.objective)
     if step_type is not None and isinstance(forward_step_func, step_type):
         forward_step_func.build_frozen(state)
@@ -36,9 +36,14 @@ def build_frozen_models(forward_step_func: ForwardStepCallable, state) -> None:
 
 def pipeline_micro_batch(cfg) -> int:
     """The batch dimension of the activations pipeline stages pass per micro-batch, which megatron-core's schedules
-    size their receive buffers by: ``train.micro_batch_size`` rows, DPO's policy and reference rows of its pairs."""
+    size their receive buffers by: ``train.micro_batch_size`` rows, and for DPO and distillation the frozen model's
+    rows beside them (:mod:`bridge_cli.training.frozen_pipeline`)."""
     if cfg.finetune.objective == "dpo":
         from bridge_cli.training.dpo_step import pipeline_rows
+
+        return pipeline_rows(cfg)
+    if cfg.finetune.objective == "distill":
+        from bridge_cli.training.distill_step import pipeline_rows
 
         return pipeline_rows(cfg)
     return cfg.train.micro_batch_size

@@ -34,11 +34,11 @@ def main(teacher: str, data: str) -> None:
         distill = DistillForwardStep()
         step = prepare_forward_step_func(distill, state)
         train_step(step, out.train_data_iterator, out.model, out.optimizer, out.scheduler, state)
-        loaded = {name: p.detach().clone() for name, p in distill.teacher.named_parameters()}
+        loaded = {name: p.detach().clone() for name, p in distill.teacher[0].named_parameters()}
         student = {name: p.detach().clone() for name, p in out.model[0].named_parameters()}
         for _ in range(2):
             train_step(step, out.train_data_iterator, out.model, out.optimizer, out.scheduler, state)
-        teacher = distill.teacher
+        teacher = distill.teacher[0]
         params = dict(teacher.named_parameters())
         optimized = sum(p.numel() for group in out.optimizer.param_groups for p in group["params"])
         unchanged = all(torch.equal(loaded[name], p) for name, p in params.items())

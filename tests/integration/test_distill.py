@@ -180,9 +180,13 @@ def test_bad_input_exits_2_naming_the_field_and_writes_nothing(cli, teacher, dat
     assert unset.exit_code == 2 and "distill.teacher_checkpoint: is not set" in unset.stderr
     assert not save.exists()  # nothing half-written
 
-    pipeline = finetune("model.pipeline_model_parallel_size=2", "--world-size", "2")
-    assert pipeline.exit_code == 2
-    assert "model.pipeline_model_parallel_size: is 2 with finetune.objective=distill" in pipeline.stderr
+    stages = finetune("model.num_layers=3", "model.pipeline_model_parallel_size=3", "--world-size", "3")
+    assert stages.exit_code == 2, stages.output
+    assert "distill.teacher_checkpoint: the teacher has 2 layers" in stages.stderr
+    assert "3 pipeline stages" in stages.stderr
+    context = finetune("model.context_parallel_size=2", "--world-size", "2")
+    assert context.exit_code == 2
+    assert "model.context_parallel_size: is 2 with finetune.objective=distill" in context.stderr
     cold = finetune("distill.temperature=0")
     assert cold.exit_code == 2 and "distill.temperature: must be > 0, got 0" in cold.stderr
     sft = cli("finetune", "recipe=tiny_sft", "distill.ce_weight=0.5", f"checkpoint.pretrained_checkpoint={teacher}",

@@ -1,7 +1,8 @@
-"""DPO under pipeline parallelism on the CPU (gloo, torchrun): PP=2 gives one process's losses, rewards,
-accuracy and validation with the frozen reference and with LoRA's, PP=2 x TP=2 too, and a run resumed at PP=2
-goes on as the uninterrupted one. The reference's activations ride in the policy's schedule, so the last stage
-has both sequences of every pair under both models (bridge_cli/training/dpo_step.py)."""
+"""DPO and distillation under pipeline parallelism on the CPU (gloo, torchrun). DPO: PP=2 gives one process's
+losses, rewards, accuracy and validation with the frozen reference and with LoRA's, PP=2 x TP=2 too, and a run
+resumed at PP=2 goes on as the uninterrupted one. Distillation: PP=2 gives one process's losses and validation
+with a teacher twice the student's width. The frozen model's activations ride in the trained model's schedule
+(bridge_cli/training/frozen_pipeline.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import re
 import pytest
 
 from tests.conftest import bridge, torchrun
-from tests.integration.sft_setup import pretrained_base
+from tests.integration import test_distill
+from tests.integration.sft_setup import TINY, pretrained_base, write_sft_data
 from tests.integration.test_dpo import curve, dpo, write_preference_data
 
 pytestmark = pytest.mark.slow
@@ -86,3 +88,33 @@ def test_a_run_resumed_at_two_stages_goes_on_as_the_uninterrupted_one(base, data
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resuming at iteration 3" in second.stdout and f"DPO reference: a frozen copy of {base}" in second.stdout
     assert_same_run(first.stdout + second.stdout, one_process["frozen"])
+
+
+@pytest.fixture(scope="module")
+def student(tmp_path_factory):
+    """tiny_distill's student at 2 layers, from a checkpoint: a random initialization draws other weights on each
+    pipeline stage than on one process."""
+    save = tmp_path_factory.mktemp("student") / "ckpt"
+    result = bridge("pretrain", *TINY, "model.hidden_size=64", "model.ffn_hidden_size=256", "train.train_iters=1",
+                    "train.eval_iters=0", f"checkpoint.save={save}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return save
+
+
+def test_distillation_at_two_stages_reproduces_the_single_process_run(base, student, tmp_path):
+    """Each stage runs its layer of the teacher (hidden 128) and of the student (hidden 64): the teacher's 4 rows
+    travel as 8 rows of 64 after the student's 4."""
+    data = write_sft_data(tmp_path / "sft")
+    args = test_distill.distill(base, data, *SHORT, "model.num_layers=2", f"checkpoint.pretrained_checkpoint={student}")
+    one = bridge(*args)
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = torchrun(2, *args, *PP2)
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert "world 2 = TP 1 x PP 2" in two.stdout
+    steps, want = (test_distill.numbers(test_distill.curve(run.stdout)) for run in (two, one))
+    assert sorted(steps) == sorted(want) == list(range(1, 7))
+    for step, values in want.items():
+        assert steps[step] == pytest.approx(values, rel=1e-5, abs=1e-5), step
+    assert sorted(validations(two.stdout)) == sorted(validations(one.stdout)) == [3, 6]
+    for step, values in validations(one.stdout).items():
+        assert validations(two.stdout)[step] == pytest.approx(values, rel=1e-5, abs=1e-5), step
