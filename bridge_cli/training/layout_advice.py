@@ -161,7 +161,8 @@ def _kinds(s: RunShape) -> list[list[tuple[str, RunShape]]]:
     tensor = [_layout(s, f"model.tensor_model_parallel_size={t}", tp=t) for t in _doublings(s.tp, 8)
               if not (s.heads % t or s.groups % t or s.ffn % t) and (not s.experts or s.sp)]
     pipeline = [_layout(s, f"model.pipeline_model_parallel_size={p}", pp=p) for p in _doublings(s.pp, s.layers)
-                if not s.layers % (p * s.vpp) and not (s.first_stage_layers or s.last_stage_layers) and not s.fsdp]
+                if not s.layers % (p * s.vpp) and not (s.first_stage_layers or s.last_stage_layers) and not s.fsdp
+                and not (s.teacher and dict(s.teacher)["layers"] % (p * s.vpp))]  # each stage holds teacher layers
     expert = [_layout(s, f"model.expert_model_parallel_size={e}", ep=e) for e in _doublings(s.ep, s.experts)
               if not s.experts % e]
     return [sharding, micro, recompute] + [[c for c in kind if c] for kind in (tensor, pipeline, expert)]
