@@ -1,8 +1,8 @@
 """DPO and distillation under pipeline parallelism on the CPU (gloo, torchrun). DPO: PP=2 gives one process's
 losses, rewards, accuracy and validation with the frozen reference and with LoRA's, PP=2 x TP=2 too, and a run
-resumed at PP=2 goes on as the uninterrupted one. Distillation: PP=2 gives one process's losses and validation
-with a teacher twice the student's width. The frozen model's activations ride in the trained model's schedule
-(bridge_cli/training/frozen_pipeline.py)."""
+resumed at PP=2 goes on as the uninterrupted one. Distillation: PP=2 and PP=2 x TP=2 give one process's losses
+and validation with a teacher twice the student's width. The frozen model's activations ride in the trained
+model's schedule (bridge_cli/training/frozen_pipeline.py)."""
 
 from __future__ import annotations
 
@@ -101,20 +101,29 @@ def student(tmp_path_factory):
     return save
 
 
-def test_distillation_at_two_stages_reproduces_the_single_process_run(base, student, tmp_path):
-    """Each stage runs its layer of the teacher (hidden 128) and of the student (hidden 64): the teacher's 4 rows
-    travel as 8 rows of 64 after the student's 4."""
-    data = write_sft_data(tmp_path / "sft")
+@pytest.fixture(scope="module")
+def distillation(base, student, tmp_path_factory):
+    """(the run's arguments, one process's output)."""
+    data = write_sft_data(tmp_path_factory.mktemp("distill_pipeline_data"))
     args = test_distill.distill(base, data, *SHORT, "model.num_layers=2", f"checkpoint.pretrained_checkpoint={student}")
-    one = bridge(*args)
-    assert one.returncode == 0, one.stderr[-3000:]
-    two = torchrun(2, *args, *PP2)
-    assert two.returncode == 0, two.stderr[-3000:]
-    assert "world 2 = TP 1 x PP 2" in two.stdout
-    steps, want = (test_distill.numbers(test_distill.curve(run.stdout)) for run in (two, one))
+    result = bridge(*args)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return args, result.stdout
+
+
+@pytest.mark.parametrize("layout", [[], ["model.tensor_model_parallel_size=2",
+                                         "model.make_vocab_size_divisible_by=64"]], ids=["pp2", "pp2_tp2"])
+def test_distillation_at_two_stages_reproduces_the_single_process_run(distillation, layout):
+    """Each stage runs its layer of the teacher (hidden 128) and of the student (hidden 64): the teacher's 4 rows
+    travel as 8 rows of 64 after the student's 4. Under TP=2 both models' logits are vocabulary slices."""
+    args, expected = distillation
+    result = torchrun(2 * (1 + bool(layout)), *args, *PP2, *layout)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"world {2 * (1 + bool(layout))} = TP {1 + bool(layout)} x PP 2" in result.stdout
+    steps, want = (test_distill.numbers(test_distill.curve(output)) for output in (result.stdout, expected))
     assert sorted(steps) == sorted(want) == list(range(1, 7))
     for step, values in want.items():
         assert steps[step] == pytest.approx(values, rel=1e-5, abs=1e-5), step
-    assert sorted(validations(two.stdout)) == sorted(validations(one.stdout)) == [3, 6]
-    for step, values in validations(one.stdout).items():
-        assert validations(two.stdout)[step] == pytest.approx(values, rel=1e-5, abs=1e-5), step
+    assert sorted(validations(result.stdout)) == sorted(validations(expected)) == [3, 6]
+    for step, values in validations(expected).items():
+        assert validations(result.stdout)[step] == pytest.approx(values, rel=1e-5, abs=1e-5), step
