@@ -9,12 +9,23 @@ never needs them, so for it ``torch.compile`` is, while megatron-core binds
 its decorator (``megatron.core.jit.jit_fuser``), one that compiles at the first call. A training
 run keeps the eager import: it starts inductor's compile workers early, and deferring it made the
 first step of a run with the fusions on 1.5 s slower on the CPU.
+
+Either way megatron-core's import leaves out the optional packages it imports for loggers that bridge
+never hands it: ``megatron.core.timers`` imports wandb and ``torch.utils.tensorboard`` (which imports
+tensorboard, boto3 and botocore) for ``Timers.write``, which bridge does not call; its own loggers import
+those packages when ``logger.tensorboard_dir`` or ``logger.wandb_project`` asks (``bridge_cli.logging.writers``).
+That is 0.36 s of a 2-core CPU's launch, and an installed wandb's 1-3 s more.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
+from typing import Iterator
+
+LOGGER_PACKAGES = ("wandb", "torch.utils.tensorboard")
+"""Imported by megatron-core (each in a ``try: ... except ImportError``) only for loggers bridge does not give it."""
 
 
 def megatron_core_version() -> tuple[int, int]:
@@ -26,22 +37,39 @@ def megatron_core_version() -> tuple[int, int]:
 
 
 def import_megatron_core(runs_model: bool = True) -> None:
-    """Silence megatron-core's known noise. Without ``runs_model``, also import megatron-core now
-    (once), its fused kernels compiled at their first call if ever; with it, the command's own
-    imports load megatron-core as they reach it."""
+    """Silence megatron-core's known noise and import megatron-core (once), without the logger packages it
+    would import for nothing; without ``runs_model``, its fused kernels are compiled at their first call if ever."""
     from bridge_cli.runtime.quiet import quiet_known_noise
 
     quiet_known_noise()
-    if runs_model or "megatron.core" in sys.modules:
+    if "megatron.core" in sys.modules:
         return
-    import torch
+    with _without(LOGGER_PACKAGES):
+        if runs_model:
+            import megatron.core  # noqa: F401
+            return
+        import torch
 
-    compile_now = torch.compile
-    torch.compile = functools.partial(_compile_at_first_call, compile_now)
+        compile_now = torch.compile
+        torch.compile = functools.partial(_compile_at_first_call, compile_now)
+        try:
+            import megatron.core.jit  # noqa: F401 -- binds jit_fuser to the torch.compile above
+        finally:
+            torch.compile = compile_now
+
+
+@contextlib.contextmanager
+def _without(packages: tuple[str, ...]) -> Iterator[None]:
+    """Within the block, importing any of ``packages`` not yet imported raises ImportError (Python's meaning of a
+    None in sys.modules); after it they import as usual."""
+    blocked = [name for name in packages if name not in sys.modules]
+    sys.modules.update(dict.fromkeys(blocked))
     try:
-        import megatron.core.jit  # noqa: F401 -- binds jit_fuser to the torch.compile above
+        yield
     finally:
-        torch.compile = compile_now
+        for name in blocked:
+            if sys.modules.get(name, False) is None:
+                del sys.modules[name]
 
 
 def _compile_at_first_call(compile_now, model=None, **options):
