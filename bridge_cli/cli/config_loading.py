@@ -67,7 +67,8 @@ def load_config(overrides: list[str] | None, recipes_dir: list[Path] | None, wor
             recipe = item.split("=", 1)[1]
         else:
             rest.append(item)
-    composed = compose(recipe, rest, recipes_dir, beneath=functools.partial(_hugging_face_model, hf_load))
+    composed = compose(recipe, rest, recipes_dir, beneath=functools.partial(_hugging_face_model, hf_load),
+                       keep=True)
     ckpt = composed.checkpoint
     if hf_load and is_hugging_face_folder(ckpt.load):
         ckpt.pretrained_checkpoint, ckpt.load = ckpt.load, None

@@ -5,7 +5,7 @@ joins the ``recipe`` config group of ``conf/config.yaml`` through a temporary se
 that holds only that file, so a shipped name, a ``--recipes-dir`` entry and a path all compose
 the same way. Every Hydra/OmegaConf failure becomes a ConfigError naming the full key or file.
 The defaults list's composition is kept per process (about 0.25 s; the value overrides on a copy
-of it, 0.05 s).
+of it, 0.05 s), and a launch's whole result across launches (``compose_cache``).
 """
 
 from __future__ import annotations
@@ -171,7 +171,7 @@ def _staged_text(recipe: recipes.Recipe, text: str) -> str:
 
 
 def compose(recipe_name: str | None, overrides: list[str], recipes_dirs: list[Path] | None = None,
-            beneath: Callable[[DictConfig], list[str]] | None = None) -> DictConfig:
+            beneath: Callable[[DictConfig], list[str]] | None = None, keep: bool = False) -> DictConfig:
     """The composed, schema-checked and resolved config of one run.
 
     Hydra composes the defaults list (the group options, the recipe) and applies the value overrides
@@ -182,24 +182,42 @@ def compose(recipe_name: str | None, overrides: list[str], recipes_dirs: list[Pa
     composed config (a Hugging Face folder's config.json, :mod:`bridge_cli.cli.config_loading`): it is given the
     config of the recipe and ``overrides`` and returns the layer's overrides, under which ``overrides`` are
     applied again to the defaults; the recipe is read and the defaults list composed once either way.
-    """
-    from hydra.errors import HydraException
 
-    schema.register()
+    ``keep`` (a launch of the CLI) reads the result from, and writes it to, the cache of composed configs
+    (:mod:`bridge_cli.config.compose_cache`) where the result depends on nothing but the recipe, conf/, the
+    overrides and the schema; with ``beneath``'s layer it is composed.
+    """
+    from bridge_cli.config import compose_cache
+
     recipe = recipes.find(recipe_name, recipes_dirs) if recipe_name else None
     name, text = None, None
     if recipe is not None:
         name, text = recipe.name, _staged_text(recipe, _read_recipe(recipe.path, str(recipe.path)))
-    try:
-        groups, values = _split(overrides)
-        defaults = _compose_defaults(name, text, groups)
-    except (HydraException, OmegaConfBaseException) as err:
-        raise _translate(err, recipe) from err
-    cfg = _with_values(defaults, values, recipe, overrides)
+    cache_key = compose_cache.key(name, text, overrides) if keep else None
+    cfg = compose_cache.load(cache_key) if cache_key else None
+    if cfg is None:
+        defaults, values = _defaults_and_values(recipe, name, text, overrides)
+        cfg = _with_values(defaults, values, recipe, overrides)
+        if cache_key:
+            compose_cache.store(cache_key, cfg)
     layer = beneath(cfg) if beneath is not None else []
     if layer:
+        defaults, values = _defaults_and_values(recipe, name, text, overrides)
         cfg = _with_values(defaults, [*_split(layer)[1], *values], recipe, [*layer, *overrides])
     return cfg
+
+
+def _defaults_and_values(recipe: recipes.Recipe | None, name: str | None, text: str | None,
+                         overrides: list[str]) -> tuple[DictConfig, list]:
+    """Hydra's composition of the defaults list (kept per process) and the parsed value overrides."""
+    from hydra.errors import HydraException
+
+    schema.register()
+    try:
+        groups, values = _split(overrides)
+        return _compose_defaults(name, text, groups), values
+    except (HydraException, OmegaConfBaseException) as err:
+        raise _translate(err, recipe) from err
 
 
 def _with_values(defaults: DictConfig, values: list, recipe: recipes.Recipe | None, overrides: list[str]) -> DictConfig:

@@ -17,6 +17,11 @@ from typing import Optional
 VARIABLE = "TORCHINDUCTOR_CACHE_DIR"
 
 
+def cache_root() -> Path:
+    """bridge's folder for what outlives a run: ``$XDG_CACHE_HOME/bridge`` (``~/.cache/bridge``)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "bridge"
+
+
 def use_persistent_compile_cache() -> Optional[str]:
     """Point torch's compile cache at bridge's folder unless the user chose one; return the folder in use
     (None where torch's default stays: a home that cannot be written)."""
@@ -25,7 +30,7 @@ def use_persistent_compile_cache() -> Optional[str]:
     current = os.environ.get(VARIABLE)
     if current and os.path.abspath(current) != os.path.abspath(default_cache_dir()):
         return current
-    folder = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "bridge" / "torchinductor"
+    folder = cache_root() / "torchinductor"
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError:
