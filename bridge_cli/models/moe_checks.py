@@ -20,6 +20,7 @@ LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn
 def check_moe(m, world_size: int) -> None:
     """Raise ConfigError for an MoE setting of model config ``m`` that a run of ``world_size``
     processes cannot build or train; no-op for dense models."""
+    _check_exchange_chunks(m)
     if not m.num_moe_experts:
         return
     _check_router(m)
@@ -120,6 +121,33 @@ def _check_compile(m) -> None:
                           "and does not trace.", "Set model.compile_layers=false, or use grouped experts with "
                           "the allgather dispatcher (or alltoall with expert parallelism up to moe_router_topk), "
                           "no capacity factor and no shared-expert overlap.")
+
+
+def _check_exchange_chunks(m) -> None:
+    chunks, key = m.moe_exchange_chunks, "model.moe_exchange_chunks"
+    if chunks == 1:
+        return
+    if chunks < 1:
+        raise ConfigError(key, f"{chunks} must be 1 (one exchange) or more.", "Set model.moe_exchange_chunks=1.")
+    if not m.num_moe_experts:
+        raise ConfigError(key, f"={chunks} chunks the token exchange of MoE layers, and this model has none "
+                          "(model.num_moe_experts is unset).", "Leave model.moe_exchange_chunks at 1.")
+    blocker = device_dispatch_blocker(m)
+    if blocker:
+        raise ConfigError(key, f"={chunks} chunks the token exchange of bridge's token dispatcher, and here {blocker} "
+                          "keeps megatron-core's.", "Set model.moe_exchange_chunks=1, or use grouped experts with the "
+                          "allgather dispatcher (or alltoall with expert parallelism up to moe_router_topk), no "
+                          "capacity factor and no shared-expert overlap.")
+    etp = m.expert_tensor_parallel_size or m.tensor_model_parallel_size
+    if m.expert_model_parallel_size * etp == 1:
+        raise ConfigError(key, f"={chunks} chunks the exchange of tokens between expert-parallel ranks, and with "
+                          "model.expert_model_parallel_size=1 and expert TP 1 there is none.",
+                          "Leave model.moe_exchange_chunks at 1 on one expert-parallel rank.")
+    local = m.seq_length // m.tensor_model_parallel_size  # a rank's positions of each sequence (sequence parallel)
+    if local % chunks:
+        raise ConfigError(key, f"{chunks} does not divide the {local} positions of each sequence that an MoE layer "
+                          f"of a rank holds (model.seq_length={m.seq_length} / model.tensor_model_parallel_size="
+                          f"{m.tensor_model_parallel_size}); chunks split them evenly.", "Pick a divisor of it.")
 
 
 def _uses_transformer_engine(m) -> bool:

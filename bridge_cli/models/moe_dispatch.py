@@ -20,14 +20,21 @@ their last offset and the row gathers and sums skip the tail (:mod:`bridge_cli.m
 The tail costs memory (EP times the expected rows at most) and no time. Each token's outputs are
 summed with a gather in fp32 (one rounding instead of one per expert). Fixed shapes and no host
 reads also let ``model.compile_layers`` compile the MoE layers whole, at any expert-parallel size.
+
+The gather and the reduce-scatter leave the GPU's compute idle. With ``model.moe_exchange_chunks`` above 1
+the layer is a :class:`ChunkedExchangeMoELayer`: :meth:`DeviceTokenDispatcher.experts_in_chunks` splits the
+tokens into chunks and issues each chunk's gather before the previous chunk's experts run and each
+reduce-scatter before the next chunk's, forward and backward (:class:`Exchange`), with the same numbers.
 """
 
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import NamedTuple
 
 import torch
 import torch.distributed._functional_collectives as funcol
+from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
 from bridge_cli.models.moe_rows import GatherRows, MaskGradient, SumRows
@@ -36,7 +43,7 @@ from bridge_cli.models.moe_rows import GatherRows, MaskGradient, SumRows
 class DeviceTokenDispatcher(MoETokenDispatcher):
     """Gathers the group's tokens, permutes the pairs of this rank's experts and sums them back (see the module)."""
 
-    def __init__(self, replaced: MoETokenDispatcher):
+    def __init__(self, replaced: MoETokenDispatcher, chunks: int = 1):
         groups = SimpleNamespace(ep=replaced.ep_group, expt_tp=replaced.tp_group, tp_ep=replaced.tp_ep_group)
         super().__init__(config=replaced.config, pg_collection=groups)
         self.local = slice(replaced.local_expert_indices[0],
@@ -45,6 +52,9 @@ class DeviceTokenDispatcher(MoETokenDispatcher):
         self.group_size = self.tp_size * self.ep_size
         # with every expert here, each token sends exactly topk pairs: no tail to skip
         self.all_experts_here = replaced.num_local_experts == replaced.config.num_moe_experts
+        self.chunks = chunks
+        """model.moe_exchange_chunks: above 1, the tokens stay on their rank through token_dispatch and token_combine,
+        and :meth:`experts_in_chunks` (called by :class:`ChunkedExchangeMoELayer`) exchanges them chunk by chunk."""
 
     def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
         self.hidden_shape = hidden_states.shape
@@ -52,16 +62,26 @@ class DeviceTokenDispatcher(MoETokenDispatcher):
         return hidden_states.view(-1, hidden_states.shape[-1]), probs
 
     def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
-        if self.group_size > 1:
-            group = self.tp_ep_group
-            self.routing_map = funcol.wait_tensor(
-                funcol.all_gather_tensor(self.routing_map.to(torch.uint8), 0, group)).bool()
-            probs, hidden_states = _all_gather(probs, group), _all_gather(hidden_states, group)
+        if self.group_size > 1 and self.chunks == 1:
+            self.routing_map, probs = self._gather_routing(self.routing_map, probs)
+            hidden_states = _all_gather(hidden_states, self.tp_ep_group)
         return hidden_states, probs
 
+    def _gather_routing(self, routing_map: torch.Tensor, probs: torch.Tensor):
+        group = self.tp_ep_group
+        routing_map = funcol.wait_tensor(funcol.all_gather_tensor(routing_map.to(torch.uint8), 0, group)).bool()
+        return routing_map, _all_gather(probs, group)
+
     def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        permuted, tokens_per_expert, permuted_probs, self.layout = self._permute(hidden_states, self.routing_map, probs)
+        self.routing_map = None
+        return permuted, tokens_per_expert, permuted_probs
+
+    def _permute(self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
+        """The rows of this rank's (token, expert) pairs, their counts per expert and probabilities, and the
+        layout that sums them back (:meth:`_sum`)."""
         tokens = hidden_states.shape[0]
-        local_map = self.routing_map[:, self.local]
+        local_map = routing_map[:, self.local]
         experts = local_map.shape[1]
         # (expert, token) pairs flattened expert-major; the selected ones first, in that order
         order = torch.argsort(local_map.t().reshape(-1).logical_not().to(torch.int8), stable=True)
@@ -75,24 +95,144 @@ class DeviceTokenDispatcher(MoETokenDispatcher):
         rows_of_token = row_of_pair.index_select(0, (slot_experts * tokens + token_index).reshape(-1)).view(tokens, -1)
         if count is not None:
             rows_of_token = torch.where(local_map.gather(1, slot_experts), rows_of_token, -1)
-        self.token_of_row, self.rows_of_token, self.count = pairs % tokens, rows_of_token, count
+        token_of_row = pairs % tokens
         permuted_probs = probs[:, self.local].t().reshape(-1).index_select(0, pairs)
         if count is not None:  # the tail's probabilities get no gradient from the rows nobody reads
             permuted_probs = MaskGradient.apply(permuted_probs, count)
-        permuted = GatherRows.apply(hidden_states, self.token_of_row, count, rows_of_token)
-        self.routing_map = None
-        return permuted, tokens_per_expert, permuted_probs
+        permuted = GatherRows.apply(hidden_states, token_of_row, count, rows_of_token)
+        return permuted, tokens_per_expert, permuted_probs, (rows_of_token, token_of_row, count)
 
     def combine_preprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return SumRows.apply(hidden_states, self.rows_of_token, self.token_of_row, self.count)
+        return self._sum(hidden_states, self.layout)
+
+    @staticmethod
+    def _sum(expert_output: torch.Tensor, layout: tuple) -> torch.Tensor:
+        """Each token's rows of ``expert_output`` summed (``layout`` from :meth:`_permute`)."""
+        return SumRows.apply(expert_output, *layout)
 
     def token_combine(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if self.group_size > 1:
+        if self.group_size > 1 and self.chunks == 1:
             hidden_states = _reduce_scatter(hidden_states, self.tp_ep_group)
         return hidden_states
 
     def combine_postprocess(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return hidden_states.view(self.hidden_shape)
+
+    def experts_in_chunks(self, hidden_states: torch.Tensor, probs: torch.Tensor, experts) -> torch.Tensor:
+        """This rank's tokens through the group's ``experts`` (what token_dispatch, dispatch_postprocess, the experts,
+        combine_preprocess and token_combine do), the tokens split into ``chunks`` along the token axis and pipelined:
+        the gather of chunk i + 1 is issued before chunk i's experts run, and the reduce-scatter of chunk i before
+        chunk i + 1's, so the exchange runs while the experts compute. Routing is per token and each token's rows
+        are summed in the same order as unchunked, so a token's output is the same; the gathers of the routing map
+        and the probabilities are small and done first, whole."""
+        tokens = hidden_states.shape[0]
+        # a token count that does not split (sequences of another length than validated) runs as one chunk
+        chunks = self.chunks if tokens % self.chunks == 0 else 1
+        size = tokens // chunks
+        routing_map, probs = self._gather_routing(self.routing_map, probs)
+        self.routing_map = None
+        # the gathered rows are (rank, chunk, token of the chunk); chunk c's are those of every rank
+        routing_map = routing_map.view(self.group_size, chunks, size, -1)
+        probs = probs.view(self.group_size, chunks, size, -1)
+        pieces = hidden_states.split(size)
+        exchange = Exchange(self.tp_ep_group)
+        next_chunk = exchange.start_gather(pieces[0])
+        outputs = []
+        for chunk in range(chunks):
+            this_chunk = next_chunk
+            if chunk + 1 < chunks:
+                next_chunk = exchange.start_gather(pieces[chunk + 1])
+            gathered = exchange.finish(this_chunk)
+            permuted, tokens_per_expert, permuted_probs, layout = self._permute(
+                gathered, routing_map[:, chunk].reshape(gathered.shape[0], -1),
+                probs[:, chunk].reshape(gathered.shape[0], -1))
+            expert_output, _ = experts(permuted, tokens_per_expert, permuted_probs)
+            outputs.append(exchange.start_reduce_scatter(self._sum(expert_output, layout)))
+        return torch.cat([exchange.finish(output) for output in outputs])
+
+
+class ChunkedExchangeMoELayer(MoELayer):
+    """megatron-core's MoE layer whose routed experts run between the chunks of their token exchange
+    (``model.moe_exchange_chunks``, :meth:`DeviceTokenDispatcher.experts_in_chunks`); its dispatcher's
+    token_dispatch and token_combine then leave the tokens where they are. Router, auxiliary losses, shared
+    experts, parameters and checkpoint keys are the MoE layer's own."""
+
+    def routed_experts_compute(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        return self.token_dispatcher.experts_in_chunks(hidden_states, probs, self.experts), None
+
+
+class Exchange:
+    """Collectives over one process group issued now and waited on where their result is used, forward and
+    backward. torch's native functional collectives (``torch.ops._c10d_functional``) return at once, and their
+    ``wait_tensor`` makes the compute stream wait for the communication (``funcol``'s Python functions wait at
+    once inside ``torch.compile``). The gradient of a gather is a reduce-scatter, issued where the backward reaches
+    :meth:`finish` and waited on where it reaches the start; a reduce-scatter's is a gather, likewise. The start's
+    ``receipt`` (the input's shape, one element of memory) is the path that reverse collective takes back."""
+
+    def __init__(self, group):
+        self.size, self.name = group.size(), group.group_name
+
+    def start_gather(self, x: torch.Tensor) -> "Started":
+        """The group's ``x`` stacked along the first axis, once :meth:`finish` has waited on it."""
+        return Started(*_Start.apply(x, _GATHER, self.size, self.name), _GATHER, self.size, self.name)
+
+    def start_reduce_scatter(self, x: torch.Tensor) -> "Started":
+        """The group's ``x`` summed, this rank's slice of the first axis, once :meth:`finish` has waited on it."""
+        return Started(*_Start.apply(x, _REDUCE_SCATTER, self.size, self.name), _REDUCE_SCATTER, self.size, self.name)
+
+    @staticmethod
+    def finish(started: "Started") -> torch.Tensor:
+        """The result of a started collective, usable from here on."""
+        return _Finish.apply(*started)
+
+
+class Started(NamedTuple):
+    """A collective issued and not yet waited on."""
+
+    output: torch.Tensor
+    """Not to be read before :meth:`Exchange.finish`."""
+    receipt: torch.Tensor
+    """Of the input's shape, one zero expanded: its gradient is the reverse collective, issued in
+    :class:`_Finish`'s backward."""
+    kind: str
+    group_size: int
+    group_name: str
+
+
+_GATHER, _REDUCE_SCATTER = "gather", "reduce_scatter"
+
+
+def _issue(kind: str, x: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
+    if kind == _GATHER:
+        return torch.ops._c10d_functional.all_gather_into_tensor(x.contiguous(), group_size, group_name)
+    return torch.ops._c10d_functional.reduce_scatter_tensor(x.contiguous(), "sum", group_size, group_name)
+
+
+class _Start(torch.autograd.Function):
+    """Issues the collective. Backward: waits on the reverse collective that :class:`_Finish`'s backward issued
+    (the receipt's gradient) and returns it as the input's gradient."""
+
+    @staticmethod
+    def forward(ctx, x, kind, group_size, group_name):
+        return _issue(kind, x, group_size, group_name), x.new_zeros(()).expand(x.shape)
+
+    @staticmethod
+    def backward(ctx, _unused, receipt_grad):
+        return torch.ops._c10d_functional.wait_tensor(receipt_grad), None, None, None
+
+
+class _Finish(torch.autograd.Function):
+    """Waits on the collective. Backward: issues the reverse collective (a gather's is a reduce-scatter, and back)
+    as the receipt's gradient; the output's own gradient passes to :class:`_Start` unread."""
+
+    @staticmethod
+    def forward(ctx, output, receipt, kind, group_size, group_name):
+        ctx.reverse = (_REDUCE_SCATTER if kind == _GATHER else _GATHER, group_size, group_name)
+        return torch.ops._c10d_functional.wait_tensor(output)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, _issue(*ctx.reverse[:1], grad, *ctx.reverse[1:]), None, None, None
 
 
 def _all_gather(x: torch.Tensor, group) -> torch.Tensor:
@@ -114,9 +254,9 @@ def use_device_token_dispatch(model: torch.nn.Module) -> None:
     take the counts as a GPU tensor), megatron-core's ``allgather`` dispatcher, or its ``alltoall`` one
     where expert parallelism is at most ``moe_router_topk`` (beyond, the all-to-all moves less data), no
     shared-expert overlap and no capacity factor. Every load-balancing type bridge accepts keeps exactly
-    top-k experts per token.
+    top-k experts per token. With ``model.moe_exchange_chunks`` above 1 (validated by
+    :func:`~bridge_cli.models.moe_checks.check_moe`), the layer becomes a :class:`ChunkedExchangeMoELayer`.
     """
-    from megatron.core.transformer.moe.moe_layer import MoELayer
     from megatron.core.transformer.moe.token_dispatcher import (
         MoEAllGatherTokenDispatcher,
         MoEAlltoAllTokenDispatcher,
@@ -129,7 +269,13 @@ def use_device_token_dispatch(model: torch.nn.Module) -> None:
             continue
         if (not device_dispatch_blocker(layer.config)
                 and type(layer.token_dispatcher) in (MoEAlltoAllTokenDispatcher, MoEAllGatherTokenDispatcher)):
-            layer.token_dispatcher = DeviceTokenDispatcher(layer.token_dispatcher)
+            chunks = layer.config.moe_exchange_chunks
+            layer.token_dispatcher = DeviceTokenDispatcher(layer.token_dispatcher, chunks)
+            if chunks > 1:
+                if type(layer) is not MoELayer:
+                    raise ValueError(f"model.moe_exchange_chunks chunks megatron-core's MoELayer, and this layer is a "
+                                     f"{type(layer).__name__}; set model.moe_exchange_chunks=1.")
+                layer.__class__ = ChunkedExchangeMoELayer  # one method differs; modules, parameters and state stay
         elif type(layer.token_dispatcher) is MoEAlltoAllTokenDispatcher and layer.token_dispatcher.tp_size > 1 \
                 and not torch.cuda.is_available():
             from bridge_cli.runtime.errors import RuntimeUnavailable

@@ -159,6 +159,9 @@ class GPTModelProvider(MLATransformerConfig):
     compile_layers: bool = False
     """torch.compile each transformer layer in place (all share one graph) and the language-model loss."""
 
+    moe_exchange_chunks: int = 1
+    """Split each MoE layer's tokens into this many chunks whose expert-parallel exchange overlaps the experts' compute (bridge's token dispatch at EP or expert TP > 1; the same numbers); 1: one exchange."""
+
     def __post_init__(self):
         # MLATransformerConfig's own checks (e.g. no attention output gate) concern MLA models only.
         if self.multi_latent_attention:

@@ -55,6 +55,11 @@ def _layer_options(layer) -> dict:
     SDPA's fused kernels on CUDA are one op already, which no pattern rewrites."""
     config = layer.config
     on_cuda = any(p.is_cuda for p in layer.parameters())
+    options = {}
     if getattr(config, "multi_latent_attention", False) and (not on_cuda or config.sdpa_backend == "math"):
-        return {"options": {"pattern_matcher": False}}
-    return {}
+        options["pattern_matcher"] = False
+    if getattr(config, "moe_exchange_chunks", 1) > 1:
+        # inductor's peak-memory reordering moves each collective's wait up to its issue, which undoes the chunked
+        # exchange's overlap (model.moe_exchange_chunks); without it the graph keeps the program's order
+        options["reorder_for_peak_memory"] = False
+    return {"options": options} if options else {}

@@ -1,6 +1,8 @@
 """The host-sync-free token dispatcher for local experts against megatron-core's own dispatchers:
 the same forward and gradients in fp32 on the CPU, and megatron-core's dispatchers kept wherever the
-permutation is not of a fixed size (capacity factor) or crosses ranks."""
+permutation is not of a fixed size (capacity factor) or crosses ranks. The chunked exchange
+(model.moe_exchange_chunks) in one process, and the settings it refuses; across ranks it is tested in
+tests/integration/test_moe_exchange_chunks.py."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import torch.nn.functional as F
 
 from bridge_cli.models.moe_dispatch import DeviceTokenDispatcher
 from bridge_cli.models.provider import GPTModelProvider
+from tests.unit.test_cli_errors import assert_user_error
 from tests.unit.test_moe_grouped_experts import SEQ, VOCAB
 from tests.unit.test_moe_grouped_experts import forward_backward as logits_after_backward
 
@@ -122,3 +125,42 @@ def test_the_unused_tail_reaches_no_output_and_no_gradient(one_process):
     expected = (hidden.detach()[:, 0].unsqueeze(1) * (probs.detach()[:, :4] * local).unsqueeze(-1)).sum(1)
     torch.testing.assert_close(out[:, 0].detach(), expected)
     assert (probs.grad[:, 4:] == 0).all()  # experts of other ranks get their gradient there
+
+
+def test_chunks_give_the_numbers_of_one_pass(one_process):
+    """Chunks through a group of one rank: the same logits and gradients (routing and each token's sum are per token;
+    experts left 1-3 rows of a chunk run the CPU's small-GEMM kernel, which sums in another order: 1.2e-7 here)."""
+    from bridge_cli.models.moe_dispatch import ChunkedExchangeMoELayer
+
+    chunked = build(moe_exchange_chunks=2)
+    assert all(type(mlp) is ChunkedExchangeMoELayer for mlp in moe_layers(chunked))
+    logits, grads = forward_backward(chunked)
+    their_logits, their_grads = forward_backward(build())
+    torch.testing.assert_close(logits, their_logits, rtol=1e-6, atol=1e-6)
+    assert grads.keys() == their_grads.keys()
+    for name in grads:
+        torch.testing.assert_close(grads[name], their_grads[name], rtol=1e-6, atol=1e-8, msg=name)
+
+
+MOE = ["recipe=tiny_moe", "--dry-run"]
+
+
+@pytest.mark.parametrize("args, fragments", [
+    (["model.moe_exchange_chunks=0", "model.expert_model_parallel_size=2", "--world-size", "2"],
+     ["model.moe_exchange_chunks: 0 must be 1"]),
+    (["recipe=tiny", "model.moe_exchange_chunks=2"], ["model.moe_exchange_chunks", "model.num_moe_experts is unset"]),
+    (["model.moe_exchange_chunks=2"],
+     ["model.moe_exchange_chunks", "model.expert_model_parallel_size=1 and expert TP 1"]),
+    (["model.moe_exchange_chunks=2", "model.moe_grouped_gemm=false", "model.expert_model_parallel_size=2",
+      "--world-size", "2"], ["model.moe_exchange_chunks", "model.moe_grouped_gemm=false (SequentialMLP experts)"]),
+    (["model.moe_exchange_chunks=3", "model.expert_model_parallel_size=2", "--world-size", "2"],
+     ["model.moe_exchange_chunks: 3 does not divide the 128 positions", "model.seq_length=128"]),
+])
+def test_chunks_are_refused_where_nothing_is_exchanged_or_they_do_not_split(cli, args, fragments):
+    assert_user_error(cli("pretrain", *MOE, *args), *fragments)
+
+
+def test_chunks_pass_the_dry_run_under_expert_parallelism(cli):
+    result = cli("pretrain", *MOE, "model.moe_exchange_chunks=4", "model.expert_model_parallel_size=2",
+                 "--world-size", "2")
+    assert result.exit_code == 0, result.output

@@ -1,0 +1,176 @@
+"""bridge's token exchange in chunks (model.moe_exchange_chunks) against one exchange, on each rank of a torchrun job.
+
+Used by test_moe_exchange_chunks.py. Builds the same small fp32 MoE model (CPU initialization: the same
+weights at any layout) with one exchange and with each ``--chunks`` count, runs a forward and backward on this
+rank's own tokens, and writes to ``--out``/rank<N>.json, per chunk count, the largest absolute difference of the
+logits, of the auxiliary losses and of every parameter's gradient, relative to the largest value, and whether each is
+bitwise equal. With ``--compile`` the chunked models' layers are compiled (model.compile_layers) and the source
+files of dynamo's graph breaks are listed.
+
+``--program-order`` instead compiles one MoE layer's exchange whole (its experts replaced by a traceable GEMM: on
+the CPU grouped experts read their counts on the host, a graph break) with the layer's compile options, checks it
+against the same code run eagerly, and writes the order in which inductor's forward and backward code issue the
+collectives, wait on them and run the GEMMs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import re
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state as ps
+
+from bridge_cli.models.provider import GPTModelProvider
+from bridge_cli.runtime.distributed import destroy_distributed, init_distributed
+
+VOCAB, SEQ, BATCH = 128, 16, 2
+
+
+def build(args, chunks: int):
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    torch.manual_seed(0)
+    model_parallel_cuda_manual_seed(0)
+    return GPTModelProvider(
+        num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, vocab_size=VOCAB, seq_length=SEQ,
+        make_vocab_size_divisible_by=128, position_embedding_type="rope", normalization="RMSNorm",
+        add_bias_linear=False, gated_linear_unit=True, activation_func=F.silu, hidden_dropout=0.0,
+        attention_dropout=0.0,
+        spec="torch", num_moe_experts=8, moe_router_topk=args.topk, moe_ffn_hidden_size=32,
+        moe_token_dispatcher_type="alltoall", moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3, moe_grouped_gemm=True,
+        use_cpu_initialization=True, tensor_model_parallel_size=args.tp, sequence_parallel=args.tp > 1,
+        expert_model_parallel_size=args.ep, expert_tensor_parallel_size=args.etp,
+        moe_exchange_chunks=chunks).provide()
+
+
+def forward_backward(model):
+    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
+
+    clear_aux_losses_tracker()
+    seed = 1 + ps.get_data_parallel_rank()  # each data-parallel rank its own tokens; tensor-parallel ranks the same
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(seed))
+    model.zero_grad()
+    logits = model(tokens, torch.arange(SEQ).expand(BATCH, SEQ), None)
+    logits.float().square().mean().backward()
+    aux = {f"aux {name} layer {layer}": value.clone() for name, entry in get_moe_layer_wise_logging_tracker().items()
+           for layer, value in enumerate(entry["values"])}
+    return ({"logits": logits.detach(), **aux},
+            {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None})
+
+
+def differences(ours: dict, theirs: dict) -> dict:
+    def relative(a, b):
+        return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+
+    return {name: {"relative": relative(ours[name], theirs[name]), "bitwise": torch.equal(ours[name], theirs[name])}
+            for name in theirs}
+
+
+class GraphBreakSites(logging.Handler):
+    """The source files dynamo reports graph breaks in (its graph_breaks log)."""
+
+    def __init__(self):
+        super().__init__()
+        self.files = set()
+        torch._logging.set_logs(graph_breaks=True)
+        for name in logging.root.manager.loggerDict:
+            if name.endswith("__graph_breaks"):
+                logging.getLogger(name).addHandler(self)
+
+    def emit(self, record):
+        found = re.search(r"in user code at (\S+?):\d+", record.getMessage())
+        if found:
+            self.files.add(Path(found.group(1)).name)
+
+
+def program_order(args) -> dict:
+    """One layer's exchange compiled whole against eager, and the order of inductor's collectives, waits and GEMMs."""
+    from torch._inductor.utils import run_and_get_code
+
+    from bridge_cli.models.regional_compile import _layer_options
+
+    layer = build(args, args.chunks[0]).decoder.layers[0]
+    dispatcher = layer.mlp.token_dispatcher
+    weight = torch.randn(64, 64, requires_grad=True)
+
+    def experts(x, tokens_per_expert, probs):
+        return (x @ weight) * probs.unsqueeze(-1), None
+
+    def exchange(hidden, probs, routing_map):
+        dispatcher.routing_map = routing_map
+        return dispatcher.experts_in_chunks(hidden, probs, experts)
+
+    generator = torch.Generator().manual_seed(torch.distributed.get_rank())
+    hidden = torch.randn(32, 64, generator=generator, requires_grad=True)
+    scores = torch.randn(32, 8, generator=generator)
+    routing_map = torch.zeros(32, 8, dtype=torch.bool).scatter_(1, scores.topk(args.topk, dim=1).indices, True)
+    probs = (scores.softmax(-1) * routing_map).requires_grad_()
+
+    def step(fn):
+        hidden.grad = probs.grad = weight.grad = None
+        out = fn(hidden, probs, routing_map)
+        out.square().sum().backward()
+        return {"out": out.detach(), "hidden": hidden.grad, "probs": probs.grad, "weight": weight.grad}
+
+    eager = step(exchange)
+    compiled = torch.compile(exchange, fullgraph=True, dynamic=False, **_layer_options(layer))
+    ours, codes = run_and_get_code(lambda: step(compiled))
+    event = re.compile(r"(\w+) = torch\.ops\._c10d_functional\.(all_gather_into_tensor|reduce_scatter_tensor)\.default"
+                       r"|_c10d_functional\.wait_tensor\.default\((\w+)\)|extern_kernels\.mm\(")
+    orders = []
+    for code in codes:
+        events = []
+        for found in event.finditer(code.split("def call(", 1)[-1]):
+            if found.group(2):
+                events.append(f"{'gather' if found.group(2).startswith('all') else 'scatter'} {found.group(1)}")
+            elif found.group(3):
+                events.append(f"wait {found.group(3)}")
+            else:
+                events.append("mm")
+        orders.append(events)
+    return {"differences": differences(ours, eager), "orders": orders}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--ep", type=int, default=2)
+    parser.add_argument("--etp", type=int, default=1)
+    parser.add_argument("--topk", type=int, default=3)
+    parser.add_argument("--chunks", type=int, nargs="+", default=[2])
+    parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--program-order", action="store_true")
+    args = parser.parse_args()
+    init_distributed("gloo", 2, args.tp, 1, expert_model_parallel_size=args.ep, expert_tensor_parallel_size=args.etp)
+    if args.program_order:
+        result = program_order(args)
+        (args.out / f"rank{torch.distributed.get_rank()}.json").write_text(json.dumps(result))
+        destroy_distributed()
+        return
+    outputs, grads = forward_backward(build(args, 1))
+    result = {}
+    for chunks in args.chunks:
+        model = build(args, chunks)
+        layers = {type(layer.mlp).__name__ for layer in model.decoder.layers}
+        if args.compile:
+            from bridge_cli.models.regional_compile import compile_layers
+
+            sites = GraphBreakSites()
+            compile_layers([model])
+        their_outputs, their_grads = forward_backward(model)
+        result[chunks] = {"layers": sorted(layers), "outputs": differences(their_outputs, outputs),
+                          "grads": differences(their_grads, grads), "missing": sorted(set(grads) ^ set(their_grads))}
+        if args.compile:
+            result[chunks]["graph_break_files"] = sorted(sites.files)
+    (args.out / f"rank{torch.distributed.get_rank()}.json").write_text(json.dumps(result))
+    destroy_distributed()
+
+
+if __name__ == "__main__":
+    main()
