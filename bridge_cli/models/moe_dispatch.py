@@ -192,7 +192,7 @@ class Started(NamedTuple):
     output: torch.Tensor
     """Not to be read before :meth:`Exchange.finish`."""
     receipt: torch.Tensor
-    """Of the input's shape, one zero expanded: its gradient is the reverse collective, issued in
+    """Of the input's shape, one element expanded and never read: its gradient is the reverse collective, issued in
     :class:`_Finish`'s backward."""
     kind: str
     group_size: int
@@ -214,7 +214,7 @@ class _Start(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, kind, group_size, group_name):
-        return _issue(kind, x, group_size, group_name), x.new_zeros(()).expand(x.shape)
+        return _issue(kind, x, group_size, group_name), x.new_empty(()).expand(x.shape)
 
     @staticmethod
     def backward(ctx, _unused, receipt_grad):

@@ -9,13 +9,14 @@ files of dynamo's graph breaks are listed.
 
 ``--program-order`` instead compiles one MoE layer's exchange whole (its experts replaced by a traceable GEMM: on
 the CPU grouped experts read their counts on the host, a graph break) with the layer's compile options, checks it
-against the same code run eagerly, and writes the order in which inductor's forward and backward code issue the
-collectives, wait on them and run the GEMMs.
+against the same code run eagerly, and writes the order in which the eager run and inductor's forward and backward
+code issue the collectives, wait on them and run the GEMMs.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import re
@@ -23,6 +24,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 from megatron.core import parallel_state as ps
 
 from bridge_cli.models.provider import GPTModelProvider
@@ -111,13 +113,16 @@ def program_order(args) -> dict:
     routing_map = torch.zeros(32, 8, dtype=torch.bool).scatter_(1, scores.topk(args.topk, dim=1).indices, True)
     probs = (scores.softmax(-1) * routing_map).requires_grad_()
 
-    def step(fn):
+    def step(fn, forward_log=contextlib.nullcontext(), backward_log=contextlib.nullcontext()):
         hidden.grad = probs.grad = weight.grad = None
-        out = fn(hidden, probs, routing_map)
-        out.square().sum().backward()
+        with forward_log:
+            out = fn(hidden, probs, routing_map)
+        with backward_log:
+            out.square().sum().backward()
         return {"out": out.detach(), "hidden": hidden.grad, "probs": probs.grad, "weight": weight.grad}
 
-    eager = step(exchange)
+    eager_forward, eager_backward = EagerOrder(), EagerOrder()
+    eager = step(exchange, eager_forward, eager_backward)
     compiled = torch.compile(exchange, fullgraph=True, dynamic=False, **_layer_options(layer))
     ours, codes = run_and_get_code(lambda: step(compiled))
     event = re.compile(r"(\w+) = torch\.ops\._c10d_functional\.(all_gather_into_tensor|reduce_scatter_tensor)\.default"
@@ -133,7 +138,29 @@ def program_order(args) -> dict:
             else:
                 events.append("mm")
         orders.append(events)
-    return {"differences": differences(ours, eager), "orders": orders}
+    return {"differences": differences(ours, eager), "orders": orders,
+            "eager_orders": [eager_forward.events, eager_backward.events]}
+
+
+class EagerOrder(TorchDispatchMode):
+    """The collectives, waits and GEMMs run eagerly, in order, named as :func:`program_order` names inductor's."""
+
+    def __init__(self):
+        super().__init__()
+        self.events, self.names = [], {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.name()
+        if name in ("_c10d_functional::all_gather_into_tensor", "_c10d_functional::reduce_scatter_tensor"):
+            self.names[id(out)] = f"buf{len(self.names)}"
+            kind = "gather" if "gather" in name else "scatter"
+            self.events.append(f"{kind} {self.names[id(out)]}")
+        elif name == "_c10d_functional::wait_tensor":
+            self.events.append(f"wait {self.names.get(id(args[0]), '?')}")
+        elif name == "aten::mm":
+            self.events.append("mm")
+        return out
 
 
 def main() -> None:

@@ -69,23 +69,28 @@ def test_compiled_chunked_layers_break_no_graph_of_their_own(tmp_path):
 
 @pytest.mark.slow
 def test_inductor_keeps_the_overlap_forward_and_backward(tmp_path):
-    """The exchange of one layer compiled whole, as it is where the experts trace (CUDA, grouped GEMMs without
-    model.gradient_accumulation_fusion): chunk 1's gather is issued before chunk 0's GEMM and waited on after it,
-    chunk 0's reduce-scatter issued before chunk 1's GEMM; in the backward, the reduce-scatter of chunk 1's token
-    gradients is issued before chunk 0's GEMM and waited on after it."""
+    """The exchange of one layer run eagerly and compiled whole, as it is where the experts trace (CUDA, grouped GEMMs
+    without model.gradient_accumulation_fusion): chunk 1's gather is issued before chunk 0's GEMM and waited on after
+    it, chunk 0's reduce-scatter issued before chunk 1's GEMM; in the backward, the reduce-scatter of chunk 1's token
+    gradients is issued before chunk 0's GEMMs and waited on after them."""
     for rank in measure(tmp_path, 2, "--ep", "2", "--chunks", "2", "--program-order"):
         assert all(found["relative"] < 1e-6 for found in rank["differences"].values()), rank["differences"]
-        forward, backward = rank["orders"]
-        mms = [i for i, event in enumerate(forward) if event == "mm"]
-        assert len(mms) == 2, forward
-        gathers = [event.split()[1] for event in forward if event.startswith("gather")]
-        scatters = [event.split()[1] for event in forward if event.startswith("scatter")]
-        second, first_scatter = gathers[-1], scatters[0]  # the routing map's, the probabilities', then the chunks'
-        assert forward.index(f"gather {second}") < mms[0] < forward.index(f"wait {second}") < mms[1], forward
-        assert forward.index(f"scatter {first_scatter}") < mms[1] < forward.index(f"wait {first_scatter}"), forward
-        last_mm = max(i for i, event in enumerate(backward) if event == "mm")
-        token_scatter = next(event.split()[1] for event in backward if event.startswith("scatter"))
-        assert backward.index(f"scatter {token_scatter}") < last_mm < backward.index(f"wait {token_scatter}"), backward
+        for forward, backward in (rank["orders"], rank["eager_orders"]):
+            assert_overlapped(forward, backward)
+
+
+def assert_overlapped(forward: list[str], backward: list[str]) -> None:
+    """``forward``/``backward``: "gather <buffer>", "scatter <buffer>", "wait <buffer>" and "mm" events in order."""
+    first_mm = forward.index("mm")
+    second_mm = forward.index("mm", first_mm + 1)
+    gathers = [event.split()[1] for event in forward if event.startswith("gather")]
+    scatters = [event.split()[1] for event in forward if event.startswith("scatter")]
+    second, first_scatter = gathers[-1], scatters[0]  # the routing map's, the probabilities', then the chunks'
+    assert forward.index(f"gather {second}") < first_mm < forward.index(f"wait {second}") < second_mm, forward
+    assert forward.index(f"scatter {first_scatter}") < second_mm < forward.index(f"wait {first_scatter}"), forward
+    last_mm = max(i for i, event in enumerate(backward) if event == "mm")
+    token_scatter = next(event.split()[1] for event in backward if event.startswith("scatter"))
+    assert backward.index(f"scatter {token_scatter}") < last_mm < backward.index(f"wait {token_scatter}"), backward
 
 
 @pytest.mark.slow
