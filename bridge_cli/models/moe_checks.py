@@ -130,17 +130,17 @@ def _check_exchange_chunks(m) -> None:
     if chunks < 1:
         raise ConfigError(key, f"{chunks} must be 1 (one exchange) or more.", "Set model.moe_exchange_chunks=1.")
     if not m.num_moe_experts:
-        raise ConfigError(key, f"={chunks} chunks the token exchange of MoE layers, and this model has none "
+        raise ConfigError(key, f"{chunks} chunks split the token exchange of MoE layers, and this model has none "
                           "(model.num_moe_experts is unset).", "Leave model.moe_exchange_chunks at 1.")
     blocker = device_dispatch_blocker(m)
     if blocker:
-        raise ConfigError(key, f"={chunks} chunks the token exchange of bridge's token dispatcher, and here {blocker} "
-                          "keeps megatron-core's.", "Set model.moe_exchange_chunks=1, or use grouped experts with the "
-                          "allgather dispatcher (or alltoall with expert parallelism up to moe_router_topk), no "
-                          "capacity factor and no shared-expert overlap.")
+        raise ConfigError(key, f"{chunks} chunks split the token exchange of bridge's token dispatcher, and here "
+                          f"{blocker} keeps megatron-core's.", "Set model.moe_exchange_chunks=1, or use grouped experts "
+                          "with the allgather dispatcher (or alltoall with expert parallelism up to moe_router_topk), "
+                          "no capacity factor and no shared-expert overlap.")
     etp = m.expert_tensor_parallel_size or m.tensor_model_parallel_size
     if m.expert_model_parallel_size * etp == 1:
-        raise ConfigError(key, f"={chunks} chunks the exchange of tokens between expert-parallel ranks, and with "
+        raise ConfigError(key, f"{chunks} chunks split the exchange of tokens between expert-parallel ranks, and with "
                           "model.expert_model_parallel_size=1 and expert TP 1 there is none.",
                           "Leave model.moe_exchange_chunks at 1 on one expert-parallel rank.")
     local = m.seq_length // m.tensor_model_parallel_size  # a rank's positions of each sequence (sequence parallel)
