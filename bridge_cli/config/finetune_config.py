@@ -80,7 +80,7 @@ def check_objective(cfg) -> None:
                     raise ConfigError(f"{section}.{f.name}", f"is set, but finetune.objective is {objective}.",
                                       f"Set finetune.objective={owner} to {what}, or drop the {section} override.")
     if objective == "distill":
-        _refuse_layouts(cfg.model, objective, None, "distillation under context parallelism is not supported yet")
+        _refuse_layouts(cfg.model, objective, "distillation under context parallelism is not supported yet")
     if objective != "dpo":
         return
     from bridge_cli.config.data_configs import FinetuningDatasetConfig
@@ -88,7 +88,7 @@ def check_objective(cfg) -> None:
     if not isinstance(cfg.dataset, FinetuningDatasetConfig):
         raise ConfigError("dataset", "finetune.objective=dpo reads preference records (prompt, chosen, rejected) "
                           "from JSONL files.", "Add dataset=finetune dataset.dataset_root=DIR.")
-    _refuse_layouts(cfg.model, objective, None,
+    _refuse_layouts(cfg.model, objective,
                     "DPO sums each response's log-probabilities within a rank, which context parallelism splits")
     pack = cfg.dataset.packed_sequence_specs.packed_sequence_size
     if 0 < pack < 4:
@@ -97,13 +97,13 @@ def check_objective(cfg) -> None:
                           "most half the pack.", "Pack at least 4 tokens, or set it to -1 (no packing).")
 
 
-def _refuse_layouts(m, objective: str, why_pipeline: Optional[str], why_context: str) -> None:
-    """Pipeline (unless ``why_pipeline`` is None) and context parallelism, and multi-token prediction, which the
-    objective does not train."""
-    for key, value, why in (("model.pipeline_model_parallel_size", m.pipeline_model_parallel_size, why_pipeline),
-                            ("model.context_parallel_size", m.context_parallel_size, why_context)):
-        if value > 1 and why is not None:
-            raise ConfigError(key, f"is {value} with finetune.objective={objective}: {why}.", f"Set {key}=1.")
+def _refuse_layouts(m, objective: str, why_context: str) -> None:
+    """Context parallelism, and multi-token prediction, which the objective does not train. (Pipeline parallelism
+    runs the frozen model in the same schedule: bridge_cli/training/frozen_pipeline.py.)"""
+    if m.context_parallel_size > 1:
+        key = "model.context_parallel_size"
+        raise ConfigError(key, f"is {m.context_parallel_size} with finetune.objective={objective}: {why_context}.",
+                          f"Set {key}=1.")
     if m.mtp_num_layers:
         raise ConfigError("model.mtp_num_layers", f"adds a next-token loss, which finetune.objective={objective} "
                           "does not train.", "Set model.mtp_num_layers=null.")
