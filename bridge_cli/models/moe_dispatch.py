@@ -227,12 +227,13 @@ class _Finish(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, output, receipt, kind, group_size, group_name):
-        ctx.reverse = (_REDUCE_SCATTER if kind == _GATHER else _GATHER, group_size, group_name)
+        ctx.reverse = _REDUCE_SCATTER if kind == _GATHER else _GATHER
+        ctx.group = (group_size, group_name)
         return torch.ops._c10d_functional.wait_tensor(output)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, _issue(*ctx.reverse[:1], grad, *ctx.reverse[1:]), None, None, None
+        return grad, _issue(ctx.reverse, grad, *ctx.group), None, None, None
 
 
 def _all_gather(x: torch.Tensor, group) -> torch.Tensor:
