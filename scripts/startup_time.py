@@ -83,12 +83,12 @@ def imports(argv: list[str], top: int) -> None:
         open_at[depth] = name
         package = name.split(".")[0]
         own[package] += us
-        parent = open_at.get(depth - 1) if depth else None
+        parent = open_at.get(depth - 1) if depth else "(the command)"
         if parent is not None and parent.split(".")[0] != package:
             importer[package] = parent  # the earliest such line wins, walking backwards: the first import
     print(f"{'package':<24} {'own import s':>12}  first imported by")
     for package, us in own.most_common(top):
-        print(f"{package:<24} {us / 1e6:>12.3f}  {importer.get(package, '(the command)')}")
+        print(f"{package:<24} {us / 1e6:>12.3f}  {importer[package]}")
 
 
 def main() -> None:
