@@ -46,10 +46,11 @@ def assert_same_numbers(run: dict, bitwise_outputs: bool) -> None:
     (2, ["--ep", "2"], [2, 4], {"2"}),
     (4, ["--ep", "4", "--topk", "4"], [2], set()),
     (4, ["--tp", "2", "--ep", "2", "--etp", "1"], [2], set()),  # sequence parallel: a rank routes its part
-], ids=["ep2", "ep4", "tp2_ep2"])
+    (4, ["--ep", "2", "--etp", "2"], [2, 4], {"2", "4"}),  # each expert's FFN split over two ranks
+], ids=["ep2", "ep4", "tp2_ep2", "etp2_ep2"])
 def test_chunked_exchange_equals_one_exchange(tmp_path, ranks, layout, chunks, bitwise):
-    """Bitwise at EP=2 in 2 chunks; where chunks leave some experts 1-3 rows (EP=2 in 4 chunks, EP=4, TP=2 x EP=2:
-    8 tokens a rank a chunk), the CPU's GEMM sums those in another order: within 4e-7 here."""
+    """Bitwise at EP=2 in 2 chunks and at expert-TP=2 x EP=2; where chunks leave some experts 1-3 rows (EP=2 in 4
+    chunks, EP=4, TP=2 x EP=2: 8 tokens a rank a chunk), the CPU's GEMM sums those in another order: within 4e-7."""
     for rank in measure(tmp_path, ranks, *layout, "--chunks", *map(str, chunks)):
         for count, run in rank.items():
             assert_same_numbers(run, bitwise_outputs=count in bitwise)
