@@ -147,6 +147,8 @@ def build_data_iterators(cfg: ConfigContainer, state: GlobalState, n_chunks: int
 
     def iterators(dataset, consumed):
         made = [build_iterator(dataset, cfg, consumed, dp_rank, dp_size, pin) for _ in range(n_chunks)]
+        if made[0] is None:  # a split the data lacks: None, not a list of None the loop would take for data
+            return None
         return made if n_chunks > 1 else made[0]
 
     # the rerun state machine replays a step's training micro-batches
