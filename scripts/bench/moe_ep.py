@@ -170,6 +170,15 @@ def expert_parallel(size: int, base: list[str], iters: int, tmp: Path) -> dict:
     return result
 
 
+EXCHANGE_ONLY = ("model.moe_exchange_chunks=",)
+"""Overrides of the expert-parallel exchange, which one process refuses (it exchanges nothing)."""
+
+
+def one_gpu(overrides: list[str]) -> list[str]:
+    """``overrides`` for the one-GPU runs: those of the expert-parallel exchange left out."""
+    return [o for o in overrides if not o.startswith(EXCHANGE_ONLY)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=30)
@@ -199,12 +208,13 @@ def main() -> None:
     overrides = args.overrides or DEFAULT_OVERRIDES
     titan_flags = [*titan_shape(args.recipe, overrides), *args.titan_arg] if args.titan else []
     base = [f"recipe={args.recipe}", "train.eval_iters=0", "logger.log_interval=1", *overrides]
+    single = one_gpu(base)
     bridge = [sys.executable, "-m", "bridge_cli", "pretrain"]
     print(f"{'run':<22} {'ms/step':>8} {'tok/s/gpu':>10} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>9}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         # each result as soon as its run ends, so a time limit keeps what finished
-        one = report("one GPU", summary(run([*bridge, *base, f"train.train_iters={args.iters}"])[0]))
+        one = report("one GPU", summary(run([*bridge, *single, f"train.train_iters={args.iters}"])[0]))
         runs = {"one GPU": one}
         for size in args.ep:
             runs[f"EP={size}"] = expert_parallel(size, base, args.iters, tmp)
@@ -219,7 +229,7 @@ def main() -> None:
         if not args.curves_only:
             control = f"micro-batch {args.control_micro_batch}"
             runs[control] = report(f"one GPU, {control}", summary(run([
-                *bridge, *base, f"train.train_iters={args.iters}",
+                *bridge, *single, f"train.train_iters={args.iters}",
                 f"train.micro_batch_size={args.control_micro_batch}"])[0]))
         for name, r in runs.items():
             print(f"{name} losses: " + " ".join(f"{r['losses'][i]:.3f}" for i in sorted(r["losses"])))

@@ -133,6 +133,18 @@ def bridge_moe_proxy(*overrides: str):
     return cfg
 
 
+def test_moe_ep_runs_one_gpu_without_the_exchange_fields(monkeypatch):
+    """model.moe_exchange_chunks is refused by one process (exit 2), so moe_ep.py's one-GPU runs go without it and
+    its EP runs with it."""
+    moe_ep = bench_module(monkeypatch, "moe_ep")
+    base = ["recipe=moe_proxy", "model.num_layers=8", "model.moe_exchange_chunks=2"]
+    assert moe_ep.one_gpu(base) == ["recipe=moe_proxy", "model.num_layers=8"]
+    result = bridge("pretrain", *moe_ep.one_gpu(base), "--dry-run", "--device", "cuda")
+    assert result.returncode == 0, result.stderr[-2000:]
+    refused = bridge("pretrain", *base, "--dry-run", "--device", "cuda")
+    assert refused.returncode == 2 and "model.moe_exchange_chunks" in refused.stderr, refused.stderr[-2000:]
+
+
 def test_titan_moe_counts_bridges_activated_flops(monkeypatch):
     """moe_ep.py --titan hands torchtitan bridge's shape, and its MFU counts the FLOPs bridge's log counts."""
     from bridge_cli.models.flops import num_floating_point_operations
