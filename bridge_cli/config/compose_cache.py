@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from bridge_cli.config import recipes, schema
 
@@ -95,9 +96,12 @@ def load(name: str) -> Optional[DictConfig]:
         os.utime(path)  # most recently used: kept longest
     except (OSError, ValueError):
         return None
-    if entry.get("format") != FORMAT:
+    if not isinstance(entry, dict) or entry.get("format") != FORMAT:
         return None
-    return _rebuild(entry)
+    try:
+        return _rebuild(entry)
+    except (KeyError, TypeError, ValueError, AttributeError, OmegaConfBaseException):  # an entry edited by hand
+        return None
 
 
 def store(name: str, cfg: DictConfig) -> None:

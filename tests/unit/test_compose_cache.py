@@ -77,6 +77,15 @@ def test_a_value_read_from_the_environment_is_never_kept(monkeypatch, cache_home
     assert entries(cache_home) == []
 
 
+def test_an_unreadable_entry_is_composed_again(cache_home):
+    compose("tiny", [], keep=True)
+    (entry,) = entries(cache_home)
+    entry.write_text('{"format": 1, "types": {"train": "section:nothing"}, "values": {"train": {}}}')
+    assert compose("tiny", [], keep=True).train.train_iters == 100
+    entry.write_text("{not json")
+    assert compose("tiny", [], keep=True).train.train_iters == 100
+
+
 def test_without_keep_nothing_is_kept(cache_home):
     compose("tiny", [])
     assert entries(cache_home) == []
