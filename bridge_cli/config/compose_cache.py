@@ -33,11 +33,10 @@ FORMAT = 1
 """Bumped when an entry's layout changes."""
 
 KEEP = 64
+"""Entries kept; the least recently used go first."""
 
 _RESOLVER = re.compile(r"\$\{\s*[\w.\-]+\s*:")
 """``${name:...}``: a resolver call (oc.env, oc.decode, hydra:...), whose value may differ from launch to launch."""
-
-_MCORE = "megatron-core"
 
 
 def folder() -> Path:
@@ -73,7 +72,7 @@ def _versions() -> list[str]:
     import omegaconf
     import yaml
 
-    return [sys.version, version(_MCORE), version("hydra-core"), omegaconf.__version__, yaml.__version__]
+    return [sys.version, version("megatron-core"), version("hydra-core"), omegaconf.__version__, yaml.__version__]
 
 
 def _schema_modules() -> list[Path]:
