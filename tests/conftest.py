@@ -20,6 +20,10 @@ if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
     # since OpenMP reads it once.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, os.cpu_count() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
 
+# Launches compose their config afresh: a kept config costs a launch that composes a new one the time of
+# writing it (most tests compose a command once), and test_compose_cache and test_import_path turn it on.
+os.environ.setdefault("BRIDGE_CONFIG_CACHE", "off")
+
 # The environment of every run the tests start, taken before any test runs; a run's own variables come
 # through ``env``. Libraries set variables in the process that uses them (megatron-core NVTE_*_ATTN when it
 # builds a model, inductor _TORCHINDUCTOR_* when it compiles): a run that inherited them from an earlier

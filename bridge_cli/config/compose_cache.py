@@ -9,7 +9,8 @@ versions of Python, megatron-core, Hydra, OmegaConf and PyYAML. An edited recipe
 key, so an entry is never stale. No entry is kept or read where the result would depend on more than that: a
 value that calls a resolver (``${oc.env:...}`` reads the environment of the launch) or an override of Hydra's
 own settings (``hydra.searchpath`` adds folders). Entries are JSON, data and never code, in
-``$XDG_CACHE_HOME/bridge/config`` next to the compile cache; the newest 64 are kept.
+``$XDG_CACHE_HOME/bridge/config`` next to the compile cache; the newest 64 are kept. ``BRIDGE_CONFIG_CACHE=off``
+composes every launch afresh and keeps nothing.
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ FORMAT = 1
 KEEP = 64
 """Entries kept; the least recently used go first."""
 
+ENV = "BRIDGE_CONFIG_CACHE"
+"""``off`` (or ``0``, ``false``, ``no``): compose every launch afresh and keep nothing."""
+
 _RESOLVER = re.compile(r"\$\{\s*[\w.\-]+\s*:")
 """``${name:...}``: a resolver call (oc.env, oc.decode, hydra:...), whose value may differ from launch to launch."""
 
@@ -47,6 +51,8 @@ def folder() -> Path:
 
 def key(recipe_name: Optional[str], recipe_text: Optional[str], overrides: list[str]) -> Optional[str]:
     """The entry's name for this composition, or None where its result must not be kept."""
+    if os.environ.get(ENV, "on").strip().lower() in ("off", "0", "false", "no"):
+        return None
     conf = recipes.conf_dir()
     conf_files = sorted(p for p in conf.rglob("*") if p.is_file())
     texts = [recipe_text or "", *overrides]

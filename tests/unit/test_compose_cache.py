@@ -16,6 +16,7 @@ from bridge_cli.training.config import ConfigContainer
 @pytest.fixture(autouse=True)
 def cache_home(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("BRIDGE_CONFIG_CACHE", "on")  # tests/conftest.py turns it off for the other tests
     return tmp_path / "cache" / "bridge" / "config"
 
 
@@ -105,3 +106,9 @@ def test_the_cli_keeps_the_config_of_a_launch(cli, cache_home):
     assert len(entries(cache_home)) == 1
     again = cli("pretrain", "recipe=tiny", "train.train_iters=3", "--dry-run")
     assert again.exit_code == 0 and again.stdout == result.stdout
+
+
+def test_bridge_config_cache_off_keeps_nothing(cache_home, monkeypatch):
+    monkeypatch.setenv("BRIDGE_CONFIG_CACHE", "off")
+    assert compose("tiny", [], keep=True).train.train_iters == 100
+    assert entries(cache_home) == []

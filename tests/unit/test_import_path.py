@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import sys
 
+import pytest
+
 from tests.conftest import run
 
 COMMAND = ("pretrain", "recipe=tiny", "train.train_iters=1", "logger.log_interval=1",
@@ -37,12 +39,13 @@ def launch(tmp_path) -> set[str]:
     every command) has imported by its exit."""
     modules = tmp_path / "modules.txt"
     result = run(sys.executable, "-c", LAUNCH, str(modules), *COMMAND, hand_off=False, timeout=600,
-                 env={"XDG_CACHE_HOME": str(tmp_path / "cache")})
+                 env={"XDG_CACHE_HOME": str(tmp_path / "cache"), "BRIDGE_CONFIG_CACHE": "on"})
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     assert "iteration 1/1" in result.stdout, result.stdout[-3000:]
     return set(modules.read_text().split())
 
 
+@pytest.mark.slow  # two fresh launches, 8 s on 2 cores
 def test_pretrain_imports_nothing_it_does_not_use(tmp_path):
     first = launch(tmp_path)
     assert "megatron.core" in first and "bridge_cli.training.train" in first  # the list is read right
