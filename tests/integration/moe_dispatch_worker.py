@@ -22,19 +22,22 @@ from bridge_cli.runtime.distributed import destroy_distributed, init_distributed
 VOCAB, SEQ, BATCH = 128, 16, 2
 
 
-def build(args, sequence_parallel: bool):
+def build(args, sequence_parallel: bool, **fields):
+    """The workers' 2-layer MoE model under ``args``' layout; ``fields`` set more of its provider's fields."""
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     torch.manual_seed(0)
     model_parallel_cuda_manual_seed(0)
+    if "moe_token_dispatcher_type" not in fields:
+        fields["moe_token_dispatcher_type"] = args.dispatcher
     return GPTModelProvider(
         num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, vocab_size=VOCAB, seq_length=SEQ,
         make_vocab_size_divisible_by=128, position_embedding_type="rope", normalization="RMSNorm",
         add_bias_linear=False, gated_linear_unit=True, activation_func=F.silu, hidden_dropout=0.0, attention_dropout=0.0,
         spec="torch", num_moe_experts=8, moe_router_topk=args.topk, moe_ffn_hidden_size=32,
-        moe_token_dispatcher_type=args.dispatcher, moe_aux_loss_coeff=1e-2, moe_grouped_gemm=True,
+        moe_aux_loss_coeff=1e-2, moe_grouped_gemm=True,
         use_cpu_initialization=True, tensor_model_parallel_size=args.tp, sequence_parallel=sequence_parallel,
-        expert_model_parallel_size=args.ep, expert_tensor_parallel_size=args.etp).provide()
+        expert_model_parallel_size=args.ep, expert_tensor_parallel_size=args.etp, **fields).provide()
 
 
 def with_megatron_dispatchers(model, dispatcher: str):

@@ -23,31 +23,18 @@ import re
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from megatron.core import parallel_state as ps
 
-from bridge_cli.models.provider import GPTModelProvider
 from bridge_cli.runtime.distributed import destroy_distributed, init_distributed
-
-VOCAB, SEQ, BATCH = 128, 16, 2
+from tests.integration import moe_dispatch_worker
+from tests.integration.moe_dispatch_worker import BATCH, SEQ, VOCAB
 
 
 def build(args, chunks: int):
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-    torch.manual_seed(0)
-    model_parallel_cuda_manual_seed(0)
-    return GPTModelProvider(
-        num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, vocab_size=VOCAB, seq_length=SEQ,
-        make_vocab_size_divisible_by=128, position_embedding_type="rope", normalization="RMSNorm",
-        add_bias_linear=False, gated_linear_unit=True, activation_func=F.silu, hidden_dropout=0.0,
-        attention_dropout=0.0,
-        spec="torch", num_moe_experts=8, moe_router_topk=args.topk, moe_ffn_hidden_size=32,
-        moe_token_dispatcher_type="alltoall", moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3, moe_grouped_gemm=True,
-        use_cpu_initialization=True, tensor_model_parallel_size=args.tp, sequence_parallel=args.tp > 1,
-        expert_model_parallel_size=args.ep, expert_tensor_parallel_size=args.etp,
-        moe_exchange_chunks=chunks).provide()
+    """moe_dispatch_worker's model, with a z-loss and ``chunks`` exchanges."""
+    return moe_dispatch_worker.build(args, args.tp > 1, moe_token_dispatcher_type="alltoall", moe_z_loss_coeff=1e-3,
+                                     moe_exchange_chunks=chunks)
 
 
 def forward_backward(model):
