@@ -40,8 +40,7 @@ import os
 import time
 from types import SimpleNamespace
 
-from titan_harness import (common_arguments, emit, measurements, per_gpu_rates, register_bench_spec, round_or_none,
-                            start, train)
+from titan_harness import common_arguments, register_bench_spec, report, start, train
 
 
 def parse_args(argv=None):
@@ -139,41 +138,19 @@ def main(argv=None):
     t_start = time.time()
     torch, use_cuda, datasets_mode = start("run_titan_deepseek.py", a)
 
-    import torchtitan
     from torchtitan.models import deepseek_v3 as tt_deepseek
 
-    world = int(os.environ["WORLD_SIZE"])
     grouped_mm = use_cuda if a.grouped_mm is None else a.grouped_mm
     # its spec's optimizer updates the expert bias where the MoE layers have a rate (--bias-update), else none
     register_bench_spec("bench_deepseek_v3", tt_deepseek.get_train_spec(), model_args(a, grouped_mm), a, a.vocab,
                         use_cuda)
     trainer, step_s, t_init = train(a, "bench_deepseek_v3", a.global_batch, a.seq, "titan DeepSeek-V3 bench",
                                     use_cuda, ["--parallelism.data_parallel_shard_degree", "-1"])
-    m = measurements(a, trainer, step_s, use_cuda)
-
-    fpt = bridge_flops_per_token(a)
-    rates = per_gpu_rates(a, m, fpt, world)
-    r = round_or_none
-    emit({
-        "trainer": "torchtitan",
-        "model": "deepseek_v3",
-        "version": torchtitan.__version__,
-        "compile": a.compile,
-        "attn": a.attn,
-        "gpus": world,
-        "mbs": a.local_batch,
-        "gbs": a.global_batch,
-        **rates,
-        **m,
-        "flops_per_token": fpt,
-        "grouped_mm": grouped_mm,
-        **{k: getattr(a, k) for k in ("seq", "layers", "dense_layers", "hidden", "ffn", "heads", "q_lora_rank",
-                                      "kv_lora_rank", "qk_head_dim", "qk_rope_head_dim", "v_head_dim", "experts",
-                                      "topk", "groups", "group_topk", "expert_ffn", "shared_experts", "vocab")},
-        "datasets": datasets_mode,
-        "init_s": r(t_init, 2),
-        "total_s": r(time.time() - t_start, 1),
-    }, a.json_out)
+    report(a, "deepseek_v3", trainer, step_s, use_cuda, bridge_flops_per_token(a), datasets_mode, t_init, t_start,
+           attn=a.attn, grouped_mm=grouped_mm,
+           **{k: getattr(a, k) for k in ("seq", "layers", "dense_layers", "hidden", "ffn", "heads", "q_lora_rank",
+                                         "kv_lora_rank", "qk_head_dim", "qk_rope_head_dim", "v_head_dim", "experts",
+                                         "topk", "groups", "group_topk", "expert_ffn", "shared_experts", "vocab")})
 
 
 if __name__ == "__main__":

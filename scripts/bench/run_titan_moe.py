@@ -42,8 +42,7 @@ import os
 import time
 from types import SimpleNamespace
 
-from titan_harness import (common_arguments, emit, measurements, per_gpu_rates, register_bench_spec, round_or_none,
-                            start, train)
+from titan_harness import common_arguments, register_bench_spec, report, start, train
 
 
 def parse_args(argv=None):
@@ -118,11 +117,9 @@ def main(argv=None):
     t_start = time.time()
     torch, use_cuda, datasets_mode = start("run_titan_moe.py", a)
 
-    import torchtitan
     from torchtitan.components.optimizer import build_optimizers_with_moe_load_balancing
     from torchtitan.models import qwen3 as tt_qwen3
 
-    world = int(os.environ["WORLD_SIZE"])
     grouped_mm = use_cuda if a.grouped_mm is None else a.grouped_mm
     optimizers = {"build_optimizers_fn": build_optimizers_with_moe_load_balancing} if a.load_balance == "bias" else {}
     register_bench_spec("bench_qwen3_moe", tt_qwen3.get_train_spec(), model_args(a, grouped_mm), a, a.vocab,
@@ -130,31 +127,10 @@ def main(argv=None):
     trainer, step_s, t_init = train(a, "bench_qwen3_moe", a.global_batch, a.seq, f"titan MoE bench, EP={a.ep}",
                                     use_cuda, ["--parallelism.expert_parallel_degree", str(a.ep),
                                                "--parallelism.data_parallel_shard_degree", "-1"])
-    m = measurements(a, trainer, step_s, use_cuda)
-
-    fpt = bridge_flops_per_token(a)
-    rates = per_gpu_rates(a, m, fpt, world)
-    r = round_or_none
-    emit({
-        "trainer": "torchtitan",
-        "model": "qwen3 MoE",
-        "version": torchtitan.__version__,
-        "compile": a.compile,
-        "ep": a.ep,
-        "gpus": world,
-        "mbs": a.local_batch,
-        "gbs": a.global_batch,
-        **rates,
-        **m,
-        "flops_per_token": fpt,
-        "load_balance": a.load_balance,
-        "grouped_mm": grouped_mm,
-        "seq": a.seq, "layers": a.layers, "hidden": a.hidden, "heads": a.heads, "kv_heads": a.kv_heads,
-        "head_dim": a.head_dim, "experts": a.experts, "topk": a.topk, "expert_ffn": a.expert_ffn, "vocab": a.vocab,
-        "datasets": datasets_mode,
-        "init_s": r(t_init, 2),
-        "total_s": r(time.time() - t_start, 1),
-    }, a.json_out)
+    report(a, "qwen3 MoE", trainer, step_s, use_cuda, bridge_flops_per_token(a), datasets_mode, t_init, t_start,
+           ep=a.ep, load_balance=a.load_balance, grouped_mm=grouped_mm,
+           **{k: getattr(a, k) for k in ("seq", "layers", "hidden", "heads", "kv_heads", "head_dim", "experts", "topk",
+                                         "expert_ffn", "vocab")})
 
 
 if __name__ == "__main__":

@@ -424,6 +424,33 @@ def per_gpu_rates(a, m, flops_per_token, world):
             "mfu_pct": round_or_none(100 * tflops / a.peak_tflops, 2)}  # activated FLOPs, percent of --peak-tflops
 
 
+def report(a, model, trainer, step_s, use_cuda, flops_per_token, datasets_mode, t_init, t_start, **fields):
+    """Measure a bench runner's finished Trainer and emit its JSON: the keys every runner writes (torchtitan's
+    version, the batch, ``per_gpu_rates`` by bridge's ``flops_per_token``, ``measurements``), then ``fields`` (the
+    runner's own settings and shape), then the data and timing."""
+    import torchtitan
+
+    world = int(os.environ["WORLD_SIZE"])
+    m = measurements(a, trainer, step_s, use_cuda)
+    rates = per_gpu_rates(a, m, flops_per_token, world)
+    emit({
+        "trainer": "torchtitan",
+        "model": model,
+        "version": torchtitan.__version__,
+        "compile": a.compile,
+        "gpus": world,
+        "mbs": a.local_batch,
+        "gbs": a.global_batch,
+        **rates,
+        **m,
+        "flops_per_token": flops_per_token,
+        **fields,
+        "datasets": datasets_mode,
+        "init_s": round_or_none(t_init, 2),
+        "total_s": round_or_none(time.time() - t_start, 1),
+    }, a.json_out)
+
+
 def emit(res, json_out):
     """Rank 0 prints the JSON line as the last line of stdout (and writes it to ``json_out``); then the
     process group ends."""
