@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import re
 import sys
 from pathlib import Path
 
 from compare_mcore import RunFailed
 from compare_mcore import run as run_timed
-from moe_ep import report, summary
+from moe_ep import report, summary, titan_row
 from titan_harness import shape_flags
 
 TITAN = Path(__file__).with_name("run_titan_deepseek.py")
@@ -90,18 +89,8 @@ def titan_shape(recipe: str, overrides: list[str]) -> list[str]:
 
 
 def titan(flags: list[str], iters: int) -> dict | None:
-    """torchtitan's DeepSeek-V3 for ``iters`` steps, the first 5 untimed (compilation); prints its row (or why it
-    failed) and returns its speed and memory as summary() names them, or None."""
-    argv = [sys.executable, str(TITAN), "--warmup", "5", "--steps", str(max(iters - 5, 1)), *flags]
-    try:
-        out = run_timed(argv, re.compile(r"step:\s+1\s"))[0]
-    except RunFailed as failure:  # its command and the end of its output are printed above
-        print(f"{'torchtitan':<22} failed: {failure}", flush=True)
-        return None
-    res = json.loads(out.strip().splitlines()[-1])
-    return report("torchtitan", {
-        "step_ms": res["step_ms_median"], "tokens": res["tokens_per_s_per_gpu"], "tflops": res["tflops_per_s_per_gpu"],
-        "peak": float("nan") if res["peak_mem_gib"] is None else res["peak_mem_gib"]})
+    """torchtitan's DeepSeek-V3 on one process for ``iters`` steps (see moe_ep.titan_row)."""
+    return titan_row("torchtitan", [sys.executable, str(TITAN)], flags, iters)
 
 
 def main() -> None:

@@ -127,17 +127,23 @@ def titan_shape(recipe: str, overrides: list[str]) -> list[str]:
 
 
 def titan(script: Path, size: int, flags: list[str], iters: int) -> dict | None:
-    """torchtitan's MoE at EP=``size`` on ``size`` GPUs for ``iters`` steps, the first 5 untimed (compilation);
-    prints its row (or why it failed) and returns its speed and memory as summary() names them, or None."""
-    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(size), str(script),
-            "--ep", str(size), "--warmup", "5", "--steps", str(max(iters - 5, 1)), *flags]
+    """torchtitan's MoE at EP=``size`` on ``size`` GPUs for ``iters`` steps (see :func:`titan_row`)."""
+    return titan_row(f"torchtitan EP={size}", [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                                               str(size), str(script), "--ep", str(size)], flags, iters)
+
+
+def titan_row(name: str, command: list[str], flags: list[str], iters: int) -> dict | None:
+    """A torchtitan bench runner (``command``, then ``flags``, which may override its step counts) for ``iters``
+    steps, the first 5 untimed (compilation); prints its row ``name`` (or why it failed) and returns its speed and
+    memory as summary() names them, or None."""
+    argv = [*command, "--warmup", "5", "--steps", str(max(iters - 5, 1)), *flags]
     try:
         out = run_timed(argv, re.compile(r"step:\s+1\s"))[0]
     except RunFailed as failure:  # its command and the end of its output are printed above
-        print(f"{'torchtitan EP=' + str(size):<22} failed: {failure}", flush=True)
+        print(f"{name:<22} failed: {failure}", flush=True)
         return None
     res = json.loads(out.strip().splitlines()[-1])
-    return report(f"torchtitan EP={size}", {
+    return report(name, {
         "step_ms": res["step_ms_median"], "tokens": res["tokens_per_s_per_gpu"], "tflops": res["tflops_per_s_per_gpu"],
         "peak": float("nan") if res["peak_mem_gib"] is None else res["peak_mem_gib"]})
 
