@@ -174,8 +174,7 @@ class FaultToleranceConfig:
     def check(self) -> list[tuple[str, str]]:
         """(field, message) for each problem; empty when the section is consistent."""
         if not self.enable_ft_package:
-            return [(f.name, "has no effect without ft.enable_ft_package=true.") for f in dataclasses.fields(self)
-                    if f.name != "enable_ft_package" and getattr(self, f.name) != f.default]
+            return _set_while_off(self, "ft", "enable_ft_package")
         problems = []
         if resilience_missing():
             problems.append(("enable_ft_package", f"needs {RESILIENCE_PACKAGE}"))
@@ -260,8 +259,7 @@ class NVRxStragglerDetectionConfig:
     def check(self) -> list[tuple[str, str]]:
         """(field, message) for each problem; empty when the section is consistent."""
         if not self.enabled:
-            return [(f.name, "has no effect without nvrx_straggler.enabled=true.") for f in dataclasses.fields(self)
-                    if f.name != "enabled" and getattr(self, f.name) != f.default]
+            return _set_while_off(self, "nvrx_straggler", "enabled")
         problems = []
         if resilience_missing():
             problems.append(("enabled", f"needs {RESILIENCE_PACKAGE}"))
@@ -278,3 +276,9 @@ class NVRxStragglerDetectionConfig:
         if self.profiling_interval < 1:
             problems.append(("profiling_interval", f"must be >= 1, got {self.profiling_interval}."))
         return problems
+
+
+def _set_while_off(section, name: str, switch: str) -> list[tuple[str, str]]:
+    """(field, message) for each field of ``section`` set away from its default while its ``switch`` is off."""
+    return [(f.name, f"has no effect without {name}.{switch}=true.") for f in dataclasses.fields(section)
+            if f.name != switch and getattr(section, f.name) != f.default]
