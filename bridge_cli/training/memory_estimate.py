@@ -23,6 +23,9 @@ The estimate adds, for the pipeline stage that holds the most:
 - the reference's or teacher's forward pass (no gradients), which runs before the model's on each micro-batch:
   one layer's working set and its logits at a time, with nothing of the model's activations; the peak is the
   larger of that and the model's pass;
+- under pipeline parallelism, the reference's or teacher's hidden states that ride with the model's between stages
+  (:mod:`bridge_cli.training.frozen_pipeline`): the rows each stage receives and those it sends, at the frozen
+  model's width laid out as rows of the model's, held with the model's own for every micro-batch in flight;
 - a fixed allowance for what torch's allocator does not count (the CUDA context, NCCL's buffers).
 
 What it leaves out: FP8 (estimated as bf16, an upper bound), activation offloading, router imbalance under
@@ -174,6 +177,9 @@ class MemoryEstimate:
     """Transformer layers on this rank."""
     frozen_parameters: float = 0.0
     """Parameters of DPO's frozen reference copy or of the distillation teacher on this rank (in weights)."""
+    frozen_rows_held: float = 0.0
+    """Bytes of the reference's or teacher's rows passed between pipeline stages and held on this rank (in
+    activations)."""
 
     @property
     def total(self) -> float:
@@ -498,13 +504,15 @@ def _stage(s: RunShape, rank: int) -> MemoryEstimate:
     frozen_params, frozen_weights, frozen_pass = _frozen_model(s, rank, layers, params, weights)
     # the reference's or teacher's forward runs before the model's, holding none of the model's activations
     activations = max(activations, frozen_pass - logits)
+    in_transit = _frozen_in_transit(s, rank)  # held through both passes
     return MemoryEstimate(
         weights=weights + frozen_weights,
         gradients=s.grad_bytes * ((trainable_dense + trainable_expert) / grad_shard + gathered_grads),
         optimizer_state=(main + moments * trainable) * kept, main_weights=main * kept,
-        activations=activations, logits=logits,
+        activations=activations + in_transit, logits=logits,
         allowance=CONTEXT_BYTES + (NCCL_BYTES if s.world > 1 else 0), stage=rank, parameters=params,
-        micro_batches_in_flight=_in_flight(s, rank), layers=len(layers), frozen_parameters=frozen_params)
+        micro_batches_in_flight=_in_flight(s, rank), layers=len(layers), frozen_parameters=frozen_params,
+        frozen_rows_held=in_transit)
 
 
 def _frozen_model(s: RunShape, rank: int, layers: list[int], params: float,
@@ -522,6 +530,23 @@ def _frozen_model(s: RunShape, rank: int, layers: list[int], params: float,
     entries = t.seq * t.micro_batch / t.cp * t.padded_vocab / t.tp
     teacher = _stage(t, rank)
     return teacher.parameters, teacher.weights, working + FROZEN_OUTPUT_BYTES * entries
+
+
+def _frozen_in_transit(s: RunShape, rank: int) -> float:
+    """Bytes of the reference's or teacher's hidden states that ``rank`` holds for the pipeline: each (virtual) stage
+    receives the frozen model's rows behind the trained model's (but the first) and sends its own on (but the last),
+    ``frozen_rows`` rows of the model's width for the frozen model's, and megatron-core's schedules keep a stage's
+    input and output tensors until that micro-batch's backward."""
+    if s.pp == 1 or s.objective == "sft" or (s.objective == "distill" and s.teacher is None):
+        return 0.0
+    from bridge_cli.training.frozen_pipeline import frozen_rows
+
+    frozen_hidden = dict(s.teacher)["hidden"] if s.objective == "distill" else s.hidden
+    rows = frozen_rows(s.row_batch, frozen_hidden, s.hidden)
+    stages = s.pp * s.vpp
+    ends = sum((k > 0) + (k < stages - 1) for k in range(rank, stages, s.pp))  # over the rank's virtual stages
+    tensor = rows * s.seq / s.cp / (s.tp if s.sp else 1) * s.hidden * s.act_bytes
+    return ends * _in_flight(s, rank) * tensor
 
 
 def fsdp_shards(s: RunShape) -> tuple[float, float, float]:

@@ -11,8 +11,8 @@ from omegaconf import OmegaConf
 
 from bridge_cli.config.compose import compose
 from bridge_cli.training.config import ConfigContainer
-from bridge_cli.training.memory_estimate import (DISTILL_LOGIT_BYTES, FROZEN_OUTPUT_BYTES, _layer_parts, estimate,
-                                                 estimate_memory, shape_of, with_changes)
+from bridge_cli.training.memory_estimate import (DISTILL_LOGIT_BYTES, FROZEN_OUTPUT_BYTES, _layer_parts, _stage,
+                                                 estimate, estimate_memory, shape_of, with_changes)
 from tests.unit.test_memory_estimate import TINY_PARAMS
 
 
@@ -91,3 +91,39 @@ def test_dry_runs_of_the_gpu_recipes_fit_one_80_gb_gpu(cli, tmp_path):
         assert line in distill.stdout, distill.stdout[-1500:]
     no_teacher = cli("finetune", "recipe=llama1b_distill", "--dry-run", "--device", "cuda")
     assert "the teacher not counted: distill.teacher_checkpoint is unset" in no_teacher.stdout
+
+
+def test_pipeline_stages_hold_the_frozen_models_rows_they_receive_and_send(tmp_path):
+    """Under PP each stage receives the reference's or teacher's hidden states behind the model's and sends its own
+    on (frozen_pipeline.py), one tensor per micro-batch kept until that micro-batch's backward. By hand, fp32:
+    tiny_dpo's 4 pairs are 8 rows of 64 tokens x hidden 128, and its global batch of 8 pairs 2 micro-batches; stage 0
+    holds 2 in flight and only sends, stage 1 holds 1 and only receives."""
+    def stages(recipe, world, *overrides):
+        cfg = ConfigContainer.from_yaml_dict(compose(recipe, list(overrides)))
+        cfg.validate(world, "cuda")
+        shape = shape_of(cfg, world)
+        return shape, [_stage(shape, rank) for rank in range(shape.pp)]
+
+    row = 64 * 128 * 4  # one row of the model's width
+    shape, (first, last) = stages("tiny_dpo", 2, "peft=lora", "model.pipeline_model_parallel_size=2")
+    assert (first.frozen_rows_held, last.frozen_rows_held) == (2 * 8 * row, 1 * 8 * row)
+    sft = with_changes(shape, objective="sft", rows=1, micro_batch=8, global_batch=16)  # the same 8 rows, no reference
+    for rank, e in enumerate((first, last)):
+        assert e.activations == _stage(sft, rank).activations + e.frozen_rows_held
+    # two virtual stages of 2 layers on each rank: rank 0's chunks are stages 0 (sends) and 2 (receives, sends),
+    # with 4 chunk-micro-batches of 2 in flight (2 in units of its layers); rank 1's are 1 (both) and 3 (receives),
+    # with 3 (1.5)
+    _, (first, last) = stages("tiny_dpo", 2, "peft=lora", "model.pipeline_model_parallel_size=2",
+                              "model.virtual_pipeline_model_parallel_size=2", "model.num_layers=4")
+    assert (first.frozen_rows_held, last.frozen_rows_held) == (3 * 2 * 8 * row, 3 * 1.5 * 8 * row)
+    _, (single,) = stages("tiny_dpo", 1, "peft=lora")
+    assert single.frozen_rows_held == 0
+
+    # distillation: the teacher's hidden 96 over the student's 64: each micro-batch of 4 rows of 128 tokens carries
+    # 4 x 96 / 64 = 6 more rows of 64
+    teacher = teacher_folder(tmp_path, "tiny", vocab_size=259, hidden_size=96, ffn_hidden_size=384)
+    row = 128 * 64 * 4
+    _, (first, last) = stages("tiny_distill", 2, f"distill.teacher_checkpoint={teacher}", "model.num_layers=2",
+                              "model.pipeline_model_parallel_size=2")
+    assert (first.frozen_rows_held, last.frozen_rows_held) == (2 * 6 * row, 1 * 6 * row)
+    assert all(e.activations >= e.frozen_rows_held > 0 for e in (first, last))
