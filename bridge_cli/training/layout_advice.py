@@ -4,13 +4,20 @@ and ``bridge config validate`` say before anyone waits for an out-of-memory erro
 The verdict allows for the estimate's error (:data:`ACCURACY`, from docs/parallelism.md#memory-per-gpu): a
 total below the GPU's memory by more than that fits, one above it by more than that will not fit, and one in
 between may not. The settings offered are each re-estimated: only those that bring the total into "fits".
+torch FSDP2 comes before recompute and more tensor, pipeline or expert parallelism (docs/parallelism.md#fsdp: the
+fastest layout measured for llama8b on 4 GPUs), with the settings it refuses turned off, and only where the
+validation accepts the result.
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Optional
 
+from bridge_cli.config.errors import ConfigError
+from bridge_cli.runtime.errors import RuntimeUnavailable
+from bridge_cli.runtime.fsdp import TORCH_FSDP2
 from bridge_cli.runtime.parallel_layout import world_step
 from bridge_cli.training.memory_estimate import (DISTILL_LOGIT_BYTES, GIB, MemoryEstimate, RunShape, estimate,
                                                  fsdp_shards, shape_of, with_changes)
@@ -23,6 +30,12 @@ DEFAULT_GPU_GIB = 80.0
 
 RECOMPUTE = {"recompute": "full", "recompute_method": "uniform", "recompute_layers": 1}
 RECOMPUTE_KEYS = "model.recompute_granularity=full model.recompute_method=uniform model.recompute_num_layers=1"
+
+FSDP2_REPLACES = ("optimizer.use_distributed_optimizer", "ddp.overlap_grad_reduce", "ddp.overlap_param_gather",
+                  "model.gradient_accumulation_fusion")
+"""Settings torch FSDP2 refuses (runtime/fsdp.py) because it shards, overlaps or accumulates gradients its own
+way: its proposal turns off those that are on. What else it refuses (tied embeddings, fp16, pipeline stages,
+experts, peft) changes the model or the layout, so FSDP2 is not proposed there."""
 
 
 @dataclass(frozen=True)
@@ -107,7 +120,8 @@ def advise(cfg, world_size: int, gpu_bytes: float, gpu_source: str = "") -> Advi
     judged = verdict(found.total, gpu_bytes)
     fixes, together = (), False
     if judged != "fits":
-        fixes = tuple(_describe(label, s, world_size) for label, s in _single_fixes(shape, gpu_bytes))
+        fsdp2 = _torch_fsdp2(cfg, shape)
+        fixes = tuple(_describe(label, s, world_size) for label, s in _single_fixes(shape, gpu_bytes, fsdp2))
         if not fixes:
             combined = _combined_fix(shape, gpu_bytes)
             if combined:
@@ -120,11 +134,15 @@ def _fits(s: RunShape, gpu_bytes: float) -> bool:
     return verdict(estimate(s).total, gpu_bytes) == "fits"
 
 
-def _single_fixes(s: RunShape, gpu_bytes: float) -> list[tuple[str, RunShape]]:
+def _single_fixes(s: RunShape, gpu_bytes: float,
+                  fsdp2: Optional[tuple[str, RunShape]] = None) -> list[tuple[str, RunShape]]:
     """The smallest change of each kind that fits on its own: the distributed optimizer, a smaller
-    micro-batch, full recompute, more tensor, pipeline or expert parallelism."""
+    micro-batch, torch FSDP2 (``fsdp2``, from :func:`_torch_fsdp2`), full recompute, more tensor, pipeline or
+    expert parallelism."""
+    kinds = _kinds(s)
+    kinds.insert(2, [fsdp2] if fsdp2 else [])
     found = []
-    for kind in _kinds(s):
+    for kind in kinds:
         fitting = next(((label, t) for label, t in kind if _fits(t, gpu_bytes)), None)
         if fitting:
             found.append(fitting)
@@ -147,6 +165,31 @@ def _combined_fix(s: RunShape, gpu_bytes: float) -> Optional[tuple[list[str], Ru
             label, s = kind[-1]
             labels.append(label)
     return (labels, s) if _fits(s, gpu_bytes) else None
+
+
+def _torch_fsdp2(cfg, s: RunShape) -> Optional[tuple[str, RunShape]]:
+    """torch FSDP2 as a proposal for ``cfg`` (validated, shaped as ``s``): the overrides, FSDP2 and the
+    :data:`FSDP2_REPLACES` settings that are on turned off, and the run they give, shaped from a copy of ``cfg``
+    that passed the validation with them. None where FSDP (either) is on already, where no data-parallel ranks
+    would share the shards, or where the validation refuses it."""
+    if cfg.dist.use_torch_fsdp2 or cfg.ddp.use_megatron_fsdp or s.dp * s.cp == 1:
+        return None
+    trial = copy.deepcopy(cfg)
+    trial.dist.use_torch_fsdp2 = True
+    switched = []
+    for key in FSDP2_REPLACES:
+        section, name = key.split(".")
+        if getattr(getattr(trial, section), name):
+            setattr(getattr(trial, section), name, False)
+            switched.append(key)
+    # conf/ddp/default.yaml: ddp's copy of the switch follows the optimizer's, as it does after the override
+    trial.ddp.use_distributed_optimizer = trial.optimizer.use_distributed_optimizer
+    try:
+        trial.validate(s.world, cfg.derived.device)
+    except (ConfigError, RuntimeUnavailable):
+        return None
+    label = " ".join([f"{TORCH_FSDP2}=true"] + [f"{key}=false" for key in switched])
+    return label, shape_of(trial, s.world)
 
 
 def _kinds(s: RunShape) -> list[list[tuple[str, RunShape]]]:

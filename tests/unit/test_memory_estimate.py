@@ -199,6 +199,39 @@ def test_a_model_too_large_for_any_single_setting_gets_them_together(cli):
            "train.micro_batch_size=1 model.recompute_granularity=full" in result.stderr, result.stderr
 
 
+FSDP2_KEYS = ("dist.use_torch_fsdp2=true optimizer.use_distributed_optimizer=false ddp.overlap_grad_reduce=false "
+              "model.gradient_accumulation_fusion=false")
+
+
+@pytest.mark.parametrize("world, estimate_gib", [(4, 70.2), (8, 55.3)])
+def test_torch_fsdp2_is_offered_first_for_llama8b_and_its_line_passes_as_typed(cli, world, estimate_gib):
+    command = ("pretrain", "recipe=llama8b", "--dry-run", "--device", "cuda", "--world-size", str(world),
+               "--gpu-memory", "80")
+    warning = cli(*command).stderr.strip()
+    assert f"will not fit. Any one of these would: {FSDP2_KEYS} ({estimate_gib} GiB); " in warning, warning
+    typed = cli(*command, *FSDP2_KEYS.split())
+    assert typed.exit_code == 0, typed.output
+    assert f"  total: {estimate_gib}\n" in typed.stdout and "  verdict: fits" in typed.stdout
+    assert typed.stderr == ""
+    assert cli("config", "validate", "recipe=llama8b", *FSDP2_KEYS.split(), "--device", "cuda", "--world-size",
+               str(world), "--gpu-memory", "80").exit_code == 0
+
+
+@pytest.mark.parametrize("overrides, world, gpu", [
+    (("model.share_embeddings_and_output_weights=true",), 8, 80),  # FSDP2 refuses tied embeddings
+    (("logger.log_params_norm=true",), 8, 80),  # and the norm of whole weights
+    (("model.pipeline_model_parallel_size=2",), 8, 64),  # and pipeline stages
+    # one data-parallel rank: FSDP2 would shard nothing, though its bf16 gradients alone would fit (37.0 GiB)
+    (("model.num_layers=4",), 1, 43),
+])
+def test_torch_fsdp2_is_not_offered_where_it_is_refused_or_has_no_ranks_to_shard_over(cli, overrides, world, gpu):
+    result = cli("pretrain", "recipe=llama8b", *overrides, "--dry-run", "--device", "cuda", "--world-size",
+                 str(world), "--gpu-memory", str(gpu))
+    assert result.exit_code == 0, result.output
+    assert "Any one of these would: " in result.stderr, result.stderr
+    assert "dist.use_torch_fsdp2=true" not in result.stderr
+
+
 def test_config_validate_refuses_what_will_not_fit_and_warns_on_what_may_not(cli):
     assert_user_error(cli("config", "validate", "recipe=llama8b", "--device", "cuda", "--gpu-memory", "80"),
                       "memory per GPU: the estimate is", "will not fit", "model.tensor_model_parallel_size=4 on 4 GPUs")
