@@ -66,7 +66,7 @@ class Advice:
             ("gradients", e.gradients, f"{s.grad_dtype} buffer" + (", adapters only" if s.lora else "") + _fsdp(s, 1)),
             ("optimizer_state", e.optimizer_state, _optimizer(s)),
             ("activations", e.activations, f"{e.layers} layers x {flight:g} micro-batch{'es' * (flight != 1)} "
-                                           f"of {s.micro_batch}{_rows(s)} in flight, {recompute}"),
+                                           f"of {s.micro_batch}{_rows(s)} in flight, {recompute}" + _in_transit(s, e)),
             ("logits", e.logits, _logits(s) if e.logits else "not on this stage"),
             ("cuda_context_and_nccl", e.allowance, "fixed allowance"),
             ("total", e.total, None),
@@ -274,6 +274,13 @@ def _frozen(s: RunShape, e: MemoryEstimate) -> str:
         return ", the teacher not counted: distill.teacher_checkpoint is unset"
     teacher = dict(s.teacher)
     return f", and the teacher's {_count(e.frozen_parameters)} ({teacher['layers']} layers, hidden {teacher['hidden']})"
+
+
+def _in_transit(s: RunShape, e: MemoryEstimate) -> str:
+    if not e.frozen_rows_held:
+        return ""
+    frozen = "the reference's" if s.objective == "dpo" else "the teacher's"
+    return f", and {frozen} rows between pipeline stages ({e.frozen_rows_held / GIB:.1f})"
 
 
 def _rows(s: RunShape) -> str:

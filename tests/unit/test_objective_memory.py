@@ -127,3 +127,13 @@ def test_pipeline_stages_hold_the_frozen_models_rows_they_receive_and_send(tmp_p
                               "model.pipeline_model_parallel_size=2")
     assert (first.frozen_rows_held, last.frozen_rows_held) == (2 * 6 * row, 1 * 6 * row)
     assert all(e.activations >= e.frozen_rows_held > 0 for e in (first, last))
+
+
+def test_the_dry_run_says_the_frozen_rows_between_stages_are_counted(cli):
+    """llama8b_dpo_lora at PP=2, 2 pairs a micro-batch: stage 0 holds 2 micro-batches' 4 reference rows of 4,096
+    tokens x 4,096 in bf16, 0.25 GiB."""
+    result = cli("finetune", "recipe=llama8b_dpo_lora", "model.pipeline_model_parallel_size=2",
+                 "train.micro_batch_size=2", "--world-size", "2", "--dry-run", "--device", "cuda", "--gpu-memory", "80")
+    assert result.exit_code == 0, result.output
+    assert ("2 micro-batches of 2 pairs (4 rows) in flight, no recompute, and the reference's rows between pipeline "
+            f"stages ({2 * 4 * 4096 * 4096 * 2 / 2 ** 30:.1f})") in result.stdout, result.stdout[-1500:]
