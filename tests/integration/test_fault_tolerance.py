@@ -66,12 +66,12 @@ def first_job(tmp_path_factory) -> tuple[Path, str]:
     return root, out
 
 
-def under_ft_launcher(root: Path, *overrides: str, timeout: int = 300) -> str:
-    """The merged output of `ft_launcher ... -m bridge_cli pretrain ARGS checkpoint.save=ROOT OVERRIDES`;
-    asserts it succeeded."""
+def under_ft_launcher(root: Path, *overrides: str, timeout: int = 300, launcher: list[str] = LAUNCHER) -> str:
+    """The merged output of `LAUNCHER -m bridge_cli pretrain ARGS checkpoint.save=ROOT OVERRIDES`, written to
+    ROOT.log as it runs; asserts it succeeded."""
     log = root.parent / f"{root.name}.log"
     with open(log, "w") as out:
-        proc = subprocess.Popen([*LAUNCHER, "-m", "bridge_cli", "pretrain", *ARGS, f"checkpoint.save={root}",
+        proc = subprocess.Popen([*launcher, "-m", "bridge_cli", "pretrain", *ARGS, f"checkpoint.save={root}",
                                  *overrides], cwd=REPO, env=run_env({"OMP_NUM_THREADS": "1"}), stdout=out,
                                 stderr=subprocess.STDOUT, text=True, start_new_session=True)
         try:
