@@ -8,8 +8,9 @@ parameters read in bf16, read and written in fp32, per micro-batch. :func:`accum
 kernel that computes ``main_grad[e] += dy_e^T @ x_e`` for every expert ``e``, accumulating in fp32
 registers and adding into ``main_grad`` once per output tile.
 
-Needs Triton (it ships with CUDA builds of torch); the caller falls back to the separate add where
-it is missing.
+:func:`accumulate_op` is the same addition as a custom op that mutates ``main_grad``: a compiled
+backward keeps it in its graph (AOTAutograd holds a backward mutation of a forward input), so a compiled
+MoE layer stays one graph. Where Triton or CUDA is missing the op adds one GEMM per expert (the CPU, tests).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from __future__ import annotations
 import functools
 
 import torch
+
+from bridge_cli.runtime.triton_support import available as triton_available
 
 
 def accumulate(grad_output: torch.Tensor, x: torch.Tensor, ends: torch.Tensor, main_grad: torch.Tensor,
@@ -36,6 +39,23 @@ def accumulate(grad_output: torch.Tensor, x: torch.Tensor, ends: torch.Tensor, m
     _kernel()[(tiles, experts)](
         grad_output, x, ends, main_grad, out_features, in_features,
         BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_M=block_m, num_warps=warps, num_stages=stages)
+
+
+@torch.library.custom_op("bridge::accumulate_grouped_wgrad", mutates_args=("main_grad",))
+def accumulate_op(grad_output: torch.Tensor, x: torch.Tensor, ends: torch.Tensor, main_grad: torch.Tensor) -> None:
+    """:func:`accumulate` where the Triton kernel runs (CUDA), else one GEMM per expert into ``main_grad``."""
+    if main_grad.is_cuda and triton_available():
+        accumulate(grad_output, x, ends, main_grad)
+        return
+    start = 0
+    for expert, end in enumerate(ends.tolist()):
+        main_grad[expert] += (grad_output[start:end].t() @ x[start:end]).to(main_grad.dtype)
+        start = end
+
+
+@accumulate_op.register_fake
+def _(grad_output: torch.Tensor, x: torch.Tensor, ends: torch.Tensor, main_grad: torch.Tensor) -> None:
+    return None
 
 
 def _cdiv(a: int, b: int) -> int:

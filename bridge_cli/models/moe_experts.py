@@ -27,7 +27,6 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTenso
 from megatron.core.transformer.module import MegatronModule
 
 from bridge_cli.models import grouped_wgrad
-from bridge_cli.runtime.triton_support import available as triton_available
 
 
 _EXTRA_STATE = "extra_state_of_expert_"
@@ -192,50 +191,63 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert: tor
     expert's ``weight[e].T``: one grouped GEMM where the device has it, else a loop of GEMMs. Rows
     past the last expert's are not computed (zero in the loop; unwritten by the grouped GEMM).
     ``into_main_grad``: the weight's gradient is added into its ``main_grad`` by the weight-gradient
-    GEMM (``model.gradient_accumulation_fusion``), where the grouped GEMM runs and Triton imports."""
-    if _grouped_mm_supported(x, weight):
-        offsets = torch.cumsum(tokens_per_expert.to(device=x.device), dim=0, dtype=torch.int32)
-        if into_main_grad and triton_available():
-            return _grouped_linear_into_main_grad(x, weight, offsets)
-        return _grouped_mm(x, weight, offsets)
-    counts = tokens_per_expert.tolist() if torch.is_tensor(tokens_per_expert) else list(tokens_per_expert)
-    pieces = torch.split(x, [*counts, x.shape[0] - sum(counts)])  # rows past the counts: the dispatcher's unused tail
-    tail = pieces[-1].new_zeros(pieces[-1].shape[0], weight.shape[1])
-    return torch.cat([*(piece @ weight[e].t() for e, piece in enumerate(pieces[:-1])), tail], dim=0)
+    GEMM (``model.gradient_accumulation_fusion``) where :func:`flag_main_grad_weights` flagged the
+    weight for it (a weight wrapped for data-parallel training)."""
+    offsets = torch.cumsum(tokens_per_expert.to(device=x.device), dim=0, dtype=torch.int32)
+    if into_main_grad and getattr(weight, "grad_added_to_main_grad", False) and hasattr(weight, "main_grad"):
+        return _GroupedLinearIntoMainGrad.apply(x, weight, offsets, weight.main_grad)
+    return _grouped_matmul(x, weight, offsets)
 
 
-@torch.compiler.disable
-def _grouped_linear_into_main_grad(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """Eager under ``model.compile_layers``: the backward writes into ``weight.main_grad``, a Python
-    attribute that compiled backward graphs do not see (the layer's graph breaks here)."""
-    if not hasattr(weight, "main_grad"):  # not wrapped for data-parallel training (evaluation, export)
-        return _grouped_mm(x, weight, offsets)
-    return _GroupedLinearIntoMainGrad.apply(x, weight, offsets)
+def flag_main_grad_weights(module: torch.nn.Module) -> set:
+    """Flag the expert weights of every :class:`GroupedGemmExperts` in ``module`` whose config sets
+    ``gradient_accumulation_fusion`` and that the data-parallel wrapper gave a ``main_grad``: their
+    gradients are then added into it by :func:`grouped_linear`, and the wrapper skips the placeholder
+    gradient. Flagged once here rather than in each backward (a Python attribute that a compiled backward
+    cannot set); returns the flagged weights, which the caller keeps out of the wrapper's per-step reset."""
+    flagged = set()
+    for experts in module.modules():
+        if not isinstance(experts, GroupedGemmExperts) or not experts.config.gradient_accumulation_fusion:
+            continue
+        for weight in (experts.weight1, experts.weight2):
+            if weight.requires_grad and hasattr(weight, "main_grad"):
+                weight.grad_added_to_main_grad = True
+                flagged.add(weight)
+    return flagged
 
 
 class _GroupedLinearIntoMainGrad(torch.autograd.Function):
-    """``torch._grouped_mm`` whose weight gradient :func:`grouped_wgrad.accumulate` adds into
-    ``weight.main_grad``; the weight's own gradient is then an unused placeholder, flagged as
-    megatron-core's linears flag theirs (``grad_added_to_main_grad``) so the data-parallel wrapper
-    does not add it again."""
+    """:func:`_grouped_matmul` whose weight gradient :func:`grouped_wgrad.accumulate_op` adds into
+    ``main_grad`` (the Triton kernel on CUDA), in a form ``torch.compile`` keeps in the layer's graph:
+    ``main_grad`` comes in as an input the backward's custom op mutates, and the weight's own gradient is an
+    unused placeholder, which the data-parallel wrapper skips (the flag :func:`flag_main_grad_weights` set)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, main_grad: torch.Tensor):
         ctx.save_for_backward(x, weight, offsets)
-        return _grouped_mm(x, weight, offsets)
+        ctx.main_grad = main_grad  # not saved: torch's version check would trip on the in-place add
+        return _grouped_matmul(x, weight, offsets)
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
         x, weight, offsets = ctx.saved_tensors
         grad_output = grad_output.contiguous()
-        grad_x = torch._grouped_mm(grad_output, weight, offs=offsets) if ctx.needs_input_grad[0] else None
-        grad_weight = None
-        if ctx.needs_input_grad[1]:
-            grouped_wgrad.accumulate(grad_output, x, offsets, weight.main_grad)
-            if hasattr(weight, "grad_added_to_main_grad"):
-                grad_weight = torch.empty_like(weight)
-                weight.grad_added_to_main_grad = True
-        return grad_x, grad_weight, None
+        grad_x = _grouped_matmul(grad_output, weight.transpose(1, 2), offsets) if ctx.needs_input_grad[0] else None
+        grouped_wgrad.accumulate_op(grad_output, x, offsets, ctx.main_grad)
+        return grad_x, torch.empty_like(weight), None, None
+
+
+def _grouped_matmul(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Each expert's rows of ``x`` (up to ``offsets[e]``, cumulative) times its ``weight[e].T``:
+    ``torch._grouped_mm`` where :func:`_grouped_mm_supported`, else one GEMM per expert (rows past the
+    last expert's zero)."""
+    if _grouped_mm_supported(x, weight):
+        return _grouped_mm(x, weight, offsets)
+    ends = offsets.tolist()
+    counts = [end - start for start, end in zip([0, *ends[:-1]], ends)]
+    pieces = torch.split(x, [*counts, x.shape[0] - sum(counts)])  # rows past the counts: the dispatcher's unused tail
+    tail = pieces[-1].new_zeros(pieces[-1].shape[0], weight.shape[1])
+    return torch.cat([*(piece @ weight[e].t() for e, piece in enumerate(pieces[:-1])), tail], dim=0)
 
 
 def _grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:

@@ -27,6 +27,7 @@ import functools
 
 import torch
 
+from bridge_cli.models.moe_experts import flag_main_grad_weights
 from bridge_cli.models.wgrad_accumulation import wgrad_gemm_accum_fp32
 
 
@@ -93,7 +94,8 @@ def install(ddp_chunks: list) -> None:
     """Route the parallel linears of these DDP-wrapped chunks through :class:`_LinearIntoMainGrad` and flag
     their weights for the wrapper once. Call after the DDP wrap, before training.
 
-    Layers that replace megatron-core's ``_forward_impl`` (bridge's FP8 linears) keep their own."""
+    Layers that replace megatron-core's ``_forward_impl`` (bridge's FP8 linears) keep their own. Grouped
+    experts (:mod:`~bridge_cli.models.moe_experts`) are flagged here too."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
     for chunk in ddp_chunks:
@@ -109,5 +111,6 @@ def install(ddp_chunks: list) -> None:
             if weight is not None and hasattr(weight, "main_grad") and not getattr(weight, "zero_out_wgrad", False):
                 weight.grad_added_to_main_grad = True
                 flagged.add(weight)
+        flagged |= flag_main_grad_weights(chunk)  # grouped experts: the same, through their own function
         # megatron-core's DDP resets every flag to False at each zero_grad_buffer; these stay set
         chunk.params_with_grad = [p for p in chunk.params_with_grad if p not in flagged]

@@ -90,6 +90,41 @@ def test_grouped_linear_handles_experts_without_tokens():
     torch.testing.assert_close(out, torch.cat([x[:2] @ weight[0].T, x[2:] @ weight[2].T]))
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_flagged_weights_add_their_gradient_into_main_grad_in_one_graph(compiled):
+    """model.gradient_accumulation_fusion on grouped experts: a flagged weight's gradient is added into its
+    main_grad (fp32, on top of what it held) and its own gradient is a placeholder; compiled, the function that
+    does it stays in the graph (no graph break), so a compiled MoE layer is one graph."""
+    torch.manual_seed(0)
+    x = torch.randn(9, 8, requires_grad=True)
+    weight = torch.nn.Parameter(torch.randn(3, 4, 8))
+    weight.main_grad = torch.randn(3, 4, 8)
+    weight.grad_added_to_main_grad = True
+    held = weight.main_grad.clone()
+    counts = torch.tensor([2, 0, 5])  # two rows past the counts: the dispatcher's unused tail
+    plain = weight.detach().clone().requires_grad_(True)
+    x_plain = x.detach().clone().requires_grad_(True)
+    grouped_linear(x_plain, plain, counts).square().sum().backward()
+
+    def step(x, counts):
+        return grouped_linear(x, weight, counts, into_main_grad=True).square().sum()
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    (torch.compile(step, backend="aot_eager", fullgraph=True) if compiled else step)(x, counts).backward()
+    torch.testing.assert_close(weight.main_grad, held + plain.grad)
+    torch.testing.assert_close(x.grad, x_plain.grad)
+    assert not torch._dynamo.utils.counters["graph_break"]
+
+
+def test_unflagged_weights_keep_their_own_gradient():
+    """Without the flag (a model not wrapped for training: evaluation, export) the gradient is autograd's."""
+    x, weight = torch.randn(5, 8), torch.nn.Parameter(torch.randn(3, 4, 8))
+    weight.main_grad = torch.zeros(3, 4, 8)
+    grouped_linear(x, weight, torch.tensor([2, 0, 3]), into_main_grad=True).sum().backward()
+    assert weight.grad is not None and not weight.main_grad.any()
+
+
 def test_lora_on_grouped_experts_merges_into_the_expert_weights(one_process):
     from bridge_cli.config.peft_config import LoRAConfig
     from bridge_cli.peft.lora import apply_lora, merge_lora
