@@ -30,9 +30,12 @@ pytestmark = [pytest.mark.gpu, pytest.mark.slow,
               pytest.mark.skipif(resilience_missing(), reason="needs nvidia-resiliency-ext")]
 
 # A GPU step of `tiny` takes milliseconds, so the CPU test's 10x computed step timeout would be a fraction of a
-# second, which a garbage collection can pass; 50x keeps it near a second (the hang is still seen in seconds).
+# second, which a garbage collection can pass; 50x keeps it at a few seconds, and the hang is seen in those.
 # Until 16 steps were timed the launcher's own step timeout holds: 30 s, not 180, for a hang that comes early.
 GPU_LAUNCHER = [*(arg.replace("step:180", "step:30") for arg in LAUNCHER), "--ft-safety-factor=50"]
+# 8 micro-batches a step, not 1: a GPU step of `tiny` is bound by its kernel launches, so this makes it about 8
+# times as long, and 100 iterations with 20 saves last several seconds: the fault lands well inside them
+LONGER_STEPS = "train.global_batch_size=64"
 ELAPSED = re.compile(r"^iteration\s+\d+/\d+ .*?\| elapsed ms/iter ([0-9.]+) ", re.M)
 SAVED = re.compile(r"^checkpoint \S+ saved in ([0-9.]+) s", re.M)
 START_UP = re.compile(r"^start-up .*$", re.M)
@@ -44,7 +47,8 @@ SEEN = re.compile(r"failed \(exitcode: -?\d+\) local_rank|" + HANG.pattern)  # t
 def uninterrupted(tmp_path_factory) -> tuple[dict[int, str], float]:
     """The loss at every iteration of the run under torchrun, without fault tolerance, and the seconds its steps
     and saves took."""
-    result = torchrun(2, "pretrain", *ARGS, f"checkpoint.save={tmp_path_factory.mktemp('reference') / 'ckpt'}")
+    result = torchrun(2, "pretrain", *ARGS, LONGER_STEPS,
+                      f"checkpoint.save={tmp_path_factory.mktemp('reference') / 'ckpt'}")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "bridge: cuda (nccl), world 2" in result.stdout, result.stdout[-3000:]
     seconds = (sum(float(ms) for ms in ELAPSED.findall(result.stdout)) / 1000
@@ -99,7 +103,7 @@ def faulty_run(root: Path, seconds: float, kind: str, rank: int) -> tuple[str, S
     fault = ["ft.simulate_fault=true", f"ft.simulated_fault_base_delay={max(1, int(seconds / 3))}",
              f"ft.simulated_fault_type={kind}", f"ft.simulated_fault_rank={rank}"]
     with StampedLog(root.parent / f"{root.name}.log") as log:
-        out = under_ft_launcher(root, *FT, *fault, launcher=GPU_LAUNCHER)
+        out = under_ft_launcher(root, LONGER_STEPS, *FT, *fault, launcher=GPU_LAUNCHER)
     return out, log
 
 
