@@ -12,13 +12,13 @@ and data parallelism over the rest (``pp2_*``). A setting writes the megatron-co
 directly because the recipes set some of them already (``ddp.overlap_grad_reduce: true``), and a
 ``comm_overlap`` field that contradicts its target is refused:
 
-    grad_reduce    comm_overlap.overlap_grad_reduce: ddp.overlap_grad_reduce
-    param_gather   the same and comm_overlap.overlap_param_gather: ddp.* and optimizer.overlap_param_gather
-    bucket_*       param_gather and comm_overlap.bucket_size: ddp.bucket_size (10,000,000 elements, and
-                   Megatron-Bridge's 128 Mi; megatron-core's own is max(40,000,000, 1,000,000 x DP))
-    pp2_batch_p2p  comm_overlap.batch_p2p_comm: model.batch_p2p_comm (one batch_isend_irecv per exchange)
-    pp2_overlap_p2p comm_overlap.overlap_p2p_comm: model.overlap_p2p_comm, with batch_p2p_comm false
-    pp2_all        pp2_overlap_p2p, param_gather and comm_overlap.align_param_gather: ddp.align_param_gather
+    grad_reduce      comm_overlap.overlap_grad_reduce: ddp.overlap_grad_reduce
+    param_gather     the same and comm_overlap.overlap_param_gather: ddp.* and optimizer.overlap_param_gather
+    bucket_*         param_gather and comm_overlap.bucket_size: ddp.bucket_size (10,000,000 elements, and
+                     Megatron-Bridge's 128 Mi; megatron-core's own is max(40,000,000, 1,000,000 x DP))
+    pp2_batch_p2p    comm_overlap.batch_p2p_comm: model.batch_p2p_comm (one batch_isend_irecv per exchange)
+    pp2_overlap_p2p  comm_overlap.overlap_p2p_comm: model.overlap_p2p_comm, with batch_p2p_comm false
+    pp2_all          pp2_overlap_p2p, param_gather and comm_overlap.align_param_gather: ddp.align_param_gather
 
 ``none`` and ``pp2_none`` turn all of them off. Every run takes DEFAULTS (compiled layers off, so a run starts in
 seconds, micro-batch 2) and dense_scale.py's (global batch 16, learning rates, ``scheduler.lr_decay_iters=ITERS``),
