@@ -28,8 +28,9 @@ GPU_ONLY = {  # each with the arguments of its CPU refusal test
     # past its argument checks: its --baseline and --titan defaults, the scripts beside it, exist
     "compare_mcore.py": ["--titan"],
 }
-CPU_RUNS = ["deepseek_speed.py", "dense_scale.py", "kernel_breakdown.py", "layouts.py", "linear_cross_entropy.py",
-            "moe_ep.py", "moe_experts.py", "sft_packing.py"]
+CPU_RUNS = ["comm_overlap.py", "deepseek_speed.py", "dense_scale.py", "kernel_breakdown.py", "layouts.py",
+            "linear_cross_entropy.py", "moe_ep.py", "moe_experts.py", "objective_speed.py", "sft_packing.py"]
+"""Each run on the CPU by a test: here, or in test_comm_overlap_bench.py and test_objective_speed.py."""
 NOT_RUN = {  # --help only, and why
     "convert_memory.py": "its real run builds a 1.24B-parameter model (8 GB of disk); test_convert_memory.py "
                          "covers its measurement",
