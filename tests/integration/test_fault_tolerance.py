@@ -44,8 +44,11 @@ FT = ["ft.enable_ft_package=true", "ft.calc_ft_timeouts=true"]
 FAULT_LINE = re.compile(r"simulated fault \((\w+)\): rank (\d) .* at ([0-9.]+), ")
 TIMEOUTS = re.compile(r"fault tolerance: timeouts (?:computed \(.*?\), kept in|from) \S+ft_state\.json: "
                       r".*?step (\S+) s \(computed\), checkpointing (\S+) s \(computed\)")
-HANG = re.compile(r"\[RankMonServer(\d+)@.*?\] (?:Section '(\w+)' has been open|Was (out of section)) for ([0-9.]+) "
-                  r"seconds\. Timeout is ([0-9.]+) seconds\.")
+HANG = re.compile(r"(?:\[RankMonServer(\d+)@.*?\]|\[workload:[^\]]*?\(([\d?]+)\)[^\]]*\] rank_monitor_server\.py:\d+ "
+                  r"\[Cycle \d+\]) (?:Section '(\w+)' has been open|Was (out of section)) for ([0-9.]+) seconds\. "
+                  r"Timeout is ([0-9.]+) seconds\.")
+"""A rank monitor's report of a hang: nvidia-resiliency-ext 0.4's ``[RankMonServer<rank>@...]`` prefix or 0.7's
+``[workload:<rank>(<local rank>) ...] rank_monitor_server.py:<line> [Cycle <n>]``."""
 RESUMED = re.compile(r"resuming at iteration (\d+)")
 
 
@@ -110,8 +113,8 @@ def test_a_hung_rank_is_detected_within_the_computed_timeout_and_the_run_resumes
     step, checkpointing = TIMEOUTS.findall(before)[-1]  # the timeouts in force when the rank hung
     in_force = {"step": step, "checkpointing": checkpointing, "out of section": f"{OUT_OF_SECTION:.2f}"}
     hangs = {}
-    for monitor, *hang in HANG.findall(after):  # a monitor repeats it each check until the rank is gone
-        hangs.setdefault(monitor, hang)
+    for seen in HANG.finditer(after):  # a monitor repeats it each check until the rank is gone
+        hangs.setdefault(seen[1] or seen[2], seen.groups()[2:])
     assert hangs, after[-3000:]
     for section, out_of_section, open_for, timeout in hangs.values():  # each rank's monitor that saw it first
         section = section or out_of_section
