@@ -1,4 +1,5 @@
-"""model.gradient_accumulation_fusion through `bridge pretrain` on the CPU (bridge_cli/models/wgrad_in_graph.py): weight
+"""model.gradient_accumulation_fusion through `bridge pretrain` on the CPU (bridge_cli/models/wgrad_in_graph.py and the
+grouped experts of bridge_cli/models/moe_experts.py): weight
 gradients added into main_grad by the linears' backward train as autograd's, eager and compiled (where no layer breaks
 at a linear any more), in one process with the output layer sharing the embedding and with an embedding of its own
 (whose gradient goes into main_grad too, bridge_cli/models/embedding_wgrad.py), over two tensor-parallel ranks and over
@@ -59,6 +60,24 @@ LAYOUTS = {
 @pytest.mark.parametrize("layout", LAYOUTS, ids=list(LAYOUTS))
 def test_fused_weight_gradients_over_two_ranks(layout):
     runs = [torchrun(2, "pretrain", *RUN, *LAYOUTS[layout], *extra) for extra in ([], FUSION)]
+    for run in runs:
+        assert run.returncode == 0, run.stderr[-3000:]
+    reference, fused = (losses(run.stdout) for run in runs)
+    assert len(reference) == 4 and fused == pytest.approx(reference, rel=1e-5)
+
+
+MOE = ["recipe=tiny_moe", "train.train_iters=4", "logger.log_interval=1", "train.eval_iters=0"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks, layout", [(1, []), (2, ["model.expert_model_parallel_size=2",
+                                                          "ddp.overlap_grad_reduce=true"])], ids=["one_process", "ep2"])
+def test_grouped_experts_add_their_weight_gradients_into_main_grad_as_autograd(ranks, layout):
+    """Grouped experts (bridge_cli/models/moe_experts.py) flagged at the wrap: their weight gradients go into
+    main_grad (on the CPU one GEMM per expert) and the wrapper skips the placeholder, in one process and with the
+    experts split over two ranks whose expert and dense buckets reduce during the backward."""
+    launch = (lambda *args: bridge(*args)) if ranks == 1 else (lambda *args: torchrun(ranks, *args))
+    runs = [launch("pretrain", *MOE, *layout, *extra) for extra in (["model.gradient_accumulation_fusion=false"], FUSION)]
     for run in runs:
         assert run.returncode == 0, run.stderr[-3000:]
     reference, fused = (losses(run.stdout) for run in runs)
