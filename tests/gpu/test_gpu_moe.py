@@ -84,18 +84,18 @@ def test_grouped_wgrad_kernel_adds_into_main_grad(grad_dtype):
 
 
 def test_grouped_linear_into_main_grad_equals_the_separate_add():
-    """Two micro-batches as megatron-core's data-parallel wrapper sees them: the fused path leaves the
-    sum of both weight gradients in main_grad and flags it, and the input gradients are the same."""
+    """Two micro-batches as megatron-core's data-parallel wrapper sees them: the fused path of a weight flagged as
+    the wrap flags it (moe_experts.flag_main_grad_weights) leaves the sum of both weight gradients in main_grad, and
+    the input gradients are the same."""
     torch.manual_seed(0)
     counts = torch.tensor([300, 0, 17, 200, 1, 182, 150, 150], device="cuda")
     weight = torch.randn(8, 384, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     weight.main_grad = torch.zeros(weight.shape, device="cuda")
-    weight.grad_added_to_main_grad = False
+    weight.grad_added_to_main_grad = True
     expected_main_grad = torch.zeros(weight.shape, device="cuda")
     for _ in range(2):
         x = torch.randn(1000, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         grouped_linear(x, weight, counts, into_main_grad=True).float().square().sum().backward()
-        assert weight.grad_added_to_main_grad
         fused_x_grad, weight.grad, x.grad = x.grad, None, None
         grouped_linear(x, weight, counts).float().square().sum().backward()
         expected_main_grad += weight.grad.float()
