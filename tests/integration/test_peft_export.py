@@ -18,7 +18,6 @@ import torch
 from tests.conftest import bridge, python
 
 transformers = pytest.importorskip("transformers")
-peft = pytest.importorskip("peft")
 
 pytestmark = pytest.mark.slow
 
@@ -85,6 +84,7 @@ def hf_logits(model, tokens):
 
 
 def test_peft_loads_the_adapters_onto_the_exported_base_with_bridges_logits(exported):
+    peft = pytest.importorskip("peft")  # not at the top: every worker collects this module, the fast tier's too (1 s)
     name, base_dir, peft_dir, merged_dir, bridge_logits, tokens = exported
     assert sorted(p.name for p in peft_dir.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
     config = json.loads((peft_dir / "adapter_config.json").read_text())
