@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import typer.testing
 from typer.testing import CliRunner
 
 from tests.forked_cli import ForkedCli
@@ -29,6 +31,10 @@ os.environ.setdefault("BRIDGE_CONFIG_CACHE", "off")
 # builds a model, inductor _TORCHINDUCTOR_* when it compiles): a run that inherited them from an earlier
 # in-process test would start as no user's shell starts it, and as a fresh process instead of a fork.
 RUN_ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
+
+# CliRunner.invoke turns the Typer app into its click command on every call, reading every command's signature
+# again (about 15 ms); a `bridge` process does it once, and the fast tier invokes the app some 450 times.
+typer.testing._get_command = functools.cache(typer.testing._get_command)
 
 
 @pytest.fixture
