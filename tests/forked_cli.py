@@ -154,11 +154,13 @@ def main() -> None:
     os.dup2(2, 1)  # stray prints of the imports below go where the caller's stderr goes, not into replies
     from bridge_cli.runtime.mcore_import import import_megatron_core
 
-    import_megatron_core()  # as a training run imports it: fused kernels bound to torch.compile
-    # what training and conversion runs import on their way (Hydra, checkpoints, models, data, the HF importer)
+    import_megatron_core()  # as every command imports it: fused kernels compiled at their first call
+    # what training and conversion runs import on their way (Hydra, checkpoints, models, data, the HF importer,
+    # inductor for the runs that compile)
     import megatron.core.datasets.blended_megatron_dataset_builder  # noqa: F401 - the point of this process
     import megatron.core.dist_checkpointing.strategies.filesystem_async  # noqa: F401
     import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401
+    import torch._inductor.compile_fx  # noqa: F401
 
     import bridge_cli.checkpoint.load  # noqa: F401
     import bridge_cli.checkpoint.save  # noqa: F401

@@ -73,7 +73,7 @@ def _train(entry: str, overrides, recipes_dir, dry_run: bool, world_size, device
     import importlib
 
     _check_dry_run_options(dry_run, device, gpu_memory)
-    recipe, container = load_config(overrides, recipes_dir, world_size, runs_model=not dry_run, device=device,
+    recipe, container = load_config(overrides, recipes_dir, world_size, device=device,
                                     resume=None if dry_run else resume.value)
     if dry_run:
         _check_inputs(container, entry, device, resume.value)
@@ -99,7 +99,7 @@ def evaluate(overrides: Overrides = None, recipes_dir: RecipesDir = None, dry_ru
 
     _check_dry_run_options(dry_run, device)
     check_output_file("--output", output)
-    recipe, container = load_config(overrides, recipes_dir, world_size, runs_model=not dry_run, device=device,
+    recipe, container = load_config(overrides, recipes_dir, world_size, device=device,
                                     hf_load=True)
     if dry_run:
         _check_inputs(container, "eval", device)

@@ -23,7 +23,7 @@ def validate(overrides: Overrides = None, recipes_dir: RecipesDir = None, world_
     from bridge_cli.config.errors import ConfigError
 
     check_gpu_memory(gpu_memory)
-    _, container = load_config(overrides, recipes_dir, world_size, runs_model=False, device=device)
+    _, container = load_config(overrides, recipes_dir, world_size, device=device)
     advice = memory_advice(container, gpu_memory)
     if advice is not None and advice.verdict == "will not fit":
         raise ConfigError(None, advice.message())
@@ -42,7 +42,7 @@ def docs(section: Annotated[Optional[str], typer.Argument(help="e.g. train, mode
 
     from bridge_cli.runtime.mcore_import import import_megatron_core
 
-    import_megatron_core(runs_model=False)
+    import_megatron_core()
 
     from omegaconf import OmegaConf
 

@@ -40,7 +40,7 @@ def is_rank_zero() -> bool:
 
 
 def load_config(overrides: list[str] | None, recipes_dir: list[Path] | None, world_size: int | None = None,
-                runs_model: bool = True, device: Optional[Device | str] = None, resume: Optional[str] = None,
+                device: Optional[Device | str] = None, resume: Optional[str] = None,
                 hf_load: bool = False):
     """Compose, convert and validate one run's config (the recipe defaults to the tiny one); returns
     (recipe, ConfigContainer) with its derived values. It is composed once (with a Hugging Face folder, only the
@@ -55,7 +55,7 @@ def load_config(overrides: list[str] | None, recipes_dir: list[Path] | None, wor
     """
     from bridge_cli.runtime.mcore_import import import_megatron_core
 
-    import_megatron_core(runs_model)
+    import_megatron_core()
     from bridge_cli.checkpoint.layout import is_hugging_face_folder
     from bridge_cli.config.compose import compose
     from bridge_cli.convert import old_imports

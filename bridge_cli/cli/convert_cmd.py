@@ -32,7 +32,7 @@ def import_hf(
     """Convert a Hugging Face model (see `families`) into a torch_dist checkpoint that bridge trains from."""
     from bridge_cli.runtime.mcore_import import import_megatron_core
 
-    import_megatron_core(runs_model=False)  # converts weights, runs no model: the fused kernels stay uncompiled
+    import_megatron_core()
     from bridge_cli.convert.hf_import import import_hf as run_import
 
     done = run_import(hf_dir, out_dir, _validated_recipe, recipe, tp, pp, seq_length, recipes_dir)
@@ -79,7 +79,7 @@ def export_hf(
     """Convert a bridge / Megatron torch_dist checkpoint into a folder transformers loads."""
     from bridge_cli.runtime.mcore_import import import_megatron_core
 
-    import_megatron_core(runs_model=False)  # converts weights, runs no model: the fused kernels stay uncompiled
+    import_megatron_core()
     from bridge_cli.convert.hf_export import export_hf as run_export
 
     done = run_export(ckpt_dir, out_dir, ckpt_step, max_shard_size, model_type)

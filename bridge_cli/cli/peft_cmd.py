@@ -49,7 +49,7 @@ def export_hf(
     """Write LoRA adapters as a Hugging Face PEFT folder: `bridge peft export-hf ADAPTERS OUT`."""
     from bridge_cli.runtime.mcore_import import import_megatron_core
 
-    import_megatron_core(runs_model=False)  # converts weights, runs no model: the fused kernels stay uncompiled
+    import_megatron_core()
     from bridge_cli.convert.peft_export import export_peft
 
     done = export_peft(adapters, out_dir, ckpt_step, model_type, base_model)

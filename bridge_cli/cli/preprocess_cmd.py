@@ -53,7 +53,7 @@ def preprocess_data(
     from bridge_cli.data.preprocess import preprocess_data as run
     from bridge_cli.runtime.mcore_import import import_megatron_core
 
-    import_megatron_core(runs_model=False)
+    import_megatron_core()
     tokenizer = TokenizerConfig(tokenizer_type=tokenizer_type.value, tokenizer_model=tokenizer_model,
                                 trust_remote_code=trust_remote_code)
     with ProgressReport() as progress:

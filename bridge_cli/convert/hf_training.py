@@ -45,7 +45,7 @@ from typing import Any, Iterator, Mapping, Optional
 from bridge_cli.checkpoint import layout
 from bridge_cli.checkpoint.errors import CheckpointError
 from bridge_cli.config.errors import ConfigError
-from bridge_cli.convert import families, fp8_blocks, hf_config
+from bridge_cli.convert import fp8_blocks, hf_config
 
 SHAPE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
                 "kv_channels", "vocab_size", "share_embeddings_and_output_weights")
@@ -72,6 +72,7 @@ the families."""
 def model_fields(hf_dir: str) -> tuple[Any, dict[str, Any]]:
     """(family, the ``model:`` fields of ``hf_dir``'s config.json), as import-hf maps them; quantization settings
     that import-hf would refuse are refused here, before the run starts."""
+    from bridge_cli.convert import families  # the ~50 family modules: only for a run from a Hugging Face folder
     from bridge_cli.convert.hf_files import tensor_names
 
     hf = hf_config.read_config(Path(hf_dir))

@@ -1,14 +1,18 @@
-"""Import megatron-core for a command: quiet, and without compiler machinery it will not use.
+"""Import megatron-core for a command: quiet, and without compiler machinery until something compiles.
 
 megatron-core decorates its fused kernels (bias-GeLU, SwiGLU, the native fused cross entropy...)
 with ``torch.compile`` as it imports them, and ``torch.compile`` imports dynamo, inductor, triton
 and sympy on the spot: 2.7 of the 4.7 s ``import megatron.core`` takes on a 2-core CPU, about 5 of
-14.5 s on the GPU machine. A command that runs no model (``config validate``, ``--dry-run``,
-``preprocess-data``, ``convert-ckpt``, and so the conversion a run from a Hugging Face folder starts)
-never needs them, so for it ``torch.compile`` is, while megatron-core binds
-its decorator (``megatron.core.jit.jit_fuser``), one that compiles at the first call. A training
-run keeps the eager import: it starts inductor's compile workers early, and deferring it made the
-first step of a run with the fusions on 1.5 s slower on the CPU.
+14.5 s on the GPU machine. So while megatron-core binds its decorator (``megatron.core.jit.jit_fuser``),
+``torch.compile`` is one that compiles at the kernel's first call. A command that runs no model
+(``config validate``, ``--dry-run``, ``preprocess-data``, ``convert-ckpt``) and a run whose model calls
+no fused kernel never import inductor for them; a run that calls one imports it in its first step
+instead of before it, which costs that run's launch to its first step nothing (``tiny`` with
+``model.bias_activation_fusion=true model.bias_dropout_fusion=true`` on the 2-core CPU: 6.9 s deferred
+against 7.1 s eager, the medians of 8 launches each). Inductor's compile workers start at the first
+compilation either way (``torch._dynamo.backends.inductor``), not at the decoration.
+Inside a compiled region (``model.compile_layers``) a fused kernel is traced inline, as dynamo traces
+any function ``torch.compile`` wrapped.
 
 Either way megatron-core's import leaves out the optional packages it imports for loggers that bridge
 never hands it: ``megatron.core.timers`` imports wandb and ``torch.utils.tensorboard`` (which imports
@@ -36,26 +40,23 @@ def megatron_core_version() -> tuple[int, int]:
     return int(major), int(minor)
 
 
-def import_megatron_core(runs_model: bool = True) -> None:
+def import_megatron_core() -> None:
     """Silence megatron-core's known noise and import megatron-core (once), without the logger packages it
-    would import for nothing; without ``runs_model``, its fused kernels are compiled at their first call if ever."""
+    would import for nothing, its fused kernels compiled at their first call."""
     from bridge_cli.runtime.quiet import quiet_known_noise
 
     quiet_known_noise()
     if "megatron.core" in sys.modules:
         return
-    with _without(LOGGER_PACKAGES):
-        if runs_model:
-            import megatron.core  # noqa: F401
-            return
-        import torch
+    import torch
 
-        compile_now = torch.compile
-        torch.compile = functools.partial(_compile_at_first_call, compile_now)
-        try:
-            import megatron.core.jit  # noqa: F401 -- binds jit_fuser to the torch.compile above
-        finally:
-            torch.compile = compile_now
+    compile_now = torch.compile
+    torch.compile = functools.partial(_compile_at_first_call, compile_now)
+    try:
+        with _without(LOGGER_PACKAGES):
+            import megatron.core.jit  # noqa: F401 -- imports megatron.core; binds jit_fuser to the torch.compile above
+    finally:
+        torch.compile = compile_now
 
 
 @contextlib.contextmanager
@@ -73,14 +74,19 @@ def _without(packages: tuple[str, ...]) -> Iterator[None]:
 
 
 def _compile_at_first_call(compile_now, model=None, **options):
-    """``torch.compile(model, **options)``, run when the result is first called."""
+    """``torch.compile(model, **options)``, run when the result is first called outside a compiled region; inside
+    one, ``model`` itself, which dynamo traces inline as it does a function that ``torch.compile`` wrapped."""
     if model is None:  # used as @torch.compile(**options)
         return functools.partial(_compile_at_first_call, compile_now, **options)
+    import torch
+
     compiled = None
 
     @functools.wraps(model)
     def call(*args, **kwargs):
         nonlocal compiled
+        if torch.compiler.is_compiling():
+            return model(*args, **kwargs)
         if compiled is None:
             compiled = compile_now(model, **options)
         return compiled(*args, **kwargs)

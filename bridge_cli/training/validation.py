@@ -163,9 +163,11 @@ def _check_layer_spec(model, device: str) -> None:
 
 
 def _check_export_family(model_type: Optional[str]) -> None:
-    from bridge_cli.convert import families
+    if model_type is None:
+        return
+    from bridge_cli.convert import families  # the family modules: imported only to check a name given
 
-    if model_type is not None and model_type not in families.FAMILIES:
+    if model_type not in families.FAMILIES:
         raise ConfigError("checkpoint.export_hf_model_type", f"{model_type!r} is not a family bridge converts.",
                           f"Choose one of {families.supported()}, or leave it unset for the one the model fits.")
 

@@ -1,8 +1,9 @@
 """What `bridge pretrain` imports on its way to the first step: nothing a run of its config does not use.
 
 Each module named here cost a launch time it did not need (docs/performance.md, "launch to first step"):
-loggers megatron-core imports for its own writers, libraries of features the run has off, and Hydra once the
-composed config is kept from an earlier launch of the same command.
+loggers megatron-core imports for its own writers, libraries and modules of features the run has off (inductor's
+compiler in a run that compiles nothing), and Hydra once the composed config is kept from an earlier launch of the
+same command.
 """
 
 from __future__ import annotations
@@ -21,6 +22,12 @@ NEVER = {
     "transformers", "matplotlib", "scipy", "pandas", "sklearn", "datasets",  # no feature of this run uses them
 }
 """Top-level packages a one-iteration `tiny` run on the CPU never imports."""
+
+NOT_USED = ("torch._inductor.compile_fx", "torch._inductor.lowering", "torch._inductor.select_algorithm",
+            "bridge_cli.convert.families")
+"""Modules of features `tiny` has off: inductor's compiler, which megatron-core's fused kernels imported as they were
+decorated (`tiny` calls none of them and compiles nothing: about 1 s of a 4 s launch on the 2-core CPU), and the
+Hugging Face families, for runs from or exporting to a Hugging Face folder."""
 
 
 # `bridge pretrain ...` as `python -m bridge_cli` runs it, then the names in sys.modules as the process exits
@@ -51,6 +58,8 @@ def test_pretrain_imports_nothing_it_does_not_use(tmp_path):
     assert "megatron.core" in first and "bridge_cli.training.train" in first  # the list is read right
     found = sorted(m for m in first if m.split(".")[0] in NEVER or m == "torch.utils.tensorboard")
     assert not found, f"`bridge pretrain recipe=tiny` imports {found}: import them where the feature is on"
+    unused = sorted(set(NOT_USED) & first)
+    assert not unused, f"`bridge pretrain recipe=tiny` imports {unused}: import them where the feature is on"
     assert "hydra" in first  # the first launch composes
 
     second = launch(tmp_path)  # the same command again: its composed config is kept
