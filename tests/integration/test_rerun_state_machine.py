@@ -1,6 +1,7 @@
 """The rerun state machine through `bridge pretrain` on the CPU, with megatron-core's error injection:
 a fault is injected, detected, the step re-run on the same data, and the run goes on, saves or exits
-as megatron-core decides."""
+as megatron-core decides. Training runs, so `slow`: tests/unit/test_rerun_lines.py checks the machine bridge
+builds and what bridge says of each decision in the fast tier."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ def saved_rerun_state(checkpoint: Path):
     return dist_checkpointing.load_common_state_dict(str(checkpoint)).get("rerun_state_machine")
 
 
+@pytest.mark.slow
 def test_a_transient_spiky_loss_is_rerun_and_training_goes_on_with_the_same_loss(uninterrupted):
     result = bridge("pretrain", *RUN, *INJECT, "rerun_state_machine.check_for_nan_in_loss=false",
                     "rerun_state_machine.check_for_spiky_loss=true", "logger.filter_warnings=false")
