@@ -12,6 +12,7 @@ import pytest
 from tests.conftest import bridge
 from tests.integration.sft_setup import pretrained_base, write_sft_data
 from tests.integration.test_pretrain_cpu import losses
+from tests.recipe_layouts import LLAMA8B_DISTRIBUTED_OPTIMIZER
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
@@ -37,7 +38,7 @@ def test_a_step_that_does_not_fit_the_gpu_ends_with_the_settings_that_free_memor
 def _memory_advice(*overrides: str) -> tuple[dict[str, str], str]:
     """The `memory_per_gpu` block and the warning of llama8b's dry run on this machine's GPU (a process of its own,
     so CUDA stays out of pytest's)."""
-    result = bridge("pretrain", "recipe=llama8b", *overrides, "--dry-run")
+    result = bridge("pretrain", "recipe=llama8b", *LLAMA8B_DISTRIBUTED_OPTIMIZER, *overrides, "--dry-run")
     assert result.returncode == 0, result.stderr[-3000:]
     block = result.stdout.split("memory_per_gpu:", 1)[1]
     return dict(re.findall(r"^  (\w+): ([^#\n]+?)\s*(?:#.*)?$", block, re.M)), result.stderr
@@ -46,11 +47,11 @@ def _memory_advice(*overrides: str) -> tuple[dict[str, str], str]:
 @pytest.mark.parametrize("where", ["iteration 1: the GPU ran out of memory (CUDA out of memory.",
                                    "the model and its optimizer state do not fit the GPU (CUDA out"])
 def test_a_model_that_does_not_fit_the_gpu_ends_with_the_settings_that_split_it(where):
-    """llama8b on one GPU, with the layer count taken from the dry run's estimate (docs/parallelism.md#memory-per-gpu)
-    for this GPU: the most layers whose set-up (bf16 weights, fp32 gradient buffer and main weights, the allowance)
-    stays the estimate's margin under the GPU's memory, so the first step is what runs out; or the fewest whose
-    set-up is the margin over it. The dry run says neither fits and names the split; micro-batches of 1 are not
-    offered lower."""
+    """llama8b in its TP=1 distributed-optimizer layout on one GPU, with the layer count taken from the dry run's
+    estimate (docs/parallelism.md#memory-per-gpu) for this GPU: the most layers whose set-up (bf16 weights, fp32
+    gradient buffer and main weights, the allowance) stays the estimate's margin under the GPU's memory, so the
+    first step is what runs out; or the fewest whose set-up is the margin over it. The dry run says neither fits
+    and names the split; micro-batches of 1 are not offered lower."""
     from bridge_cli.training.layout_advice import ACCURACY
 
     one, many = _memory_advice("model.num_layers=1")[0], _memory_advice("model.num_layers=33")[0]
@@ -63,7 +64,8 @@ def test_a_model_that_does_not_fit_the_gpu_ends_with_the_settings_that_split_it(
     assert advice["verdict"] == "will not fit" and "model.tensor_model_parallel_size=" in warning, (layers, advice)
     setup = float(advice["before_first_step"])
     assert setup <= gpu * (1 - ACCURACY) if at_step else setup >= gpu * (1 + ACCURACY), (layers, advice)
-    result = bridge("pretrain", "recipe=llama8b", f"model.num_layers={layers}", "train.train_iters=1",
+    result = bridge("pretrain", "recipe=llama8b", *LLAMA8B_DISTRIBUTED_OPTIMIZER, f"model.num_layers={layers}",
+                    "train.train_iters=1",
                     "train.eval_iters=0")
     assert result.returncode == 1, result.stderr[-3000:]
     assert where in result.stderr and "model.tensor_model_parallel_size (now 1)" in result.stderr, (layers, advice)

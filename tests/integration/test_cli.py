@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from tests.conftest import REPO, bridge, run
+from tests.recipe_layouts import LLAMA8B_DISTRIBUTED_OPTIMIZER
 
 
 def test_help_lists_every_command_without_importing_torch():
@@ -73,8 +74,8 @@ def test_dry_run_prints_resolved_config_precedence_and_derived_values(cli):
 
 
 def test_dry_run_for_a_given_world_size(cli):
-    result = cli("pretrain", "recipe=llama8b", "--dry-run", "--device", "cuda", "--world-size", "16",
-                 "model.tensor_model_parallel_size=2", "model.pipeline_model_parallel_size=2")
+    result = cli("pretrain", "recipe=llama8b", *LLAMA8B_DISTRIBUTED_OPTIMIZER, "--dry-run", "--device", "cuda",
+                 "--world-size", "16", "model.tensor_model_parallel_size=2", "model.pipeline_model_parallel_size=2")
     assert result.exit_code == 0, result.stderr
     assert "data_parallel_size: 4" in result.stdout and "micro_batches_per_step: 128" in result.stdout
 
@@ -87,7 +88,8 @@ def test_dry_run_for_a_given_world_size(cli):
           "model.virtual_pipeline_model_parallel_size=4"], 4),
 ])
 def test_llama8b_layouts_for_8_to_64_gpus_validate(cli, world, layout, dp):
-    result = cli("pretrain", "recipe=llama8b", "--dry-run", "--device", "cuda", "--world-size", str(world), *layout)
+    result = cli("pretrain", "recipe=llama8b", *LLAMA8B_DISTRIBUTED_OPTIMIZER, "--dry-run", "--device", "cuda",
+                 "--world-size", str(world), *layout)
     assert result.exit_code == 0, result.output
     assert f"data_parallel_size: {dp}" in result.output and f"world_size: {world}" in result.output
 

@@ -8,6 +8,7 @@ from bridge_cli.config import recipes
 from bridge_cli.config.compose import compose
 from bridge_cli.runtime.parallel_layout import model_world_step
 from bridge_cli.training.config import ConfigContainer
+from tests.recipe_layouts import LLAMA8B_DISTRIBUTED_OPTIMIZER
 
 
 def container(recipe: str, *overrides: str, world_size: int = 1) -> ConfigContainer:
@@ -109,8 +110,8 @@ def test_megatron_core_fields_settable_by_name_and_resolved():
 
 
 def test_derived_values_for_a_large_world():
-    c = container("llama8b", "train.train_iters=1000", "model.tensor_model_parallel_size=2",
-                  "model.pipeline_model_parallel_size=2", world_size=64)
+    c = container("llama8b", *LLAMA8B_DISTRIBUTED_OPTIMIZER, "train.train_iters=1000",
+                  "model.tensor_model_parallel_size=2", "model.pipeline_model_parallel_size=2", world_size=64)
     assert c.data_parallel_size == 16
     assert c.num_microbatches == 512 // 16
     assert c.derived.lr_decay_steps == c.scheduler.lr_decay_iters * 512

@@ -8,6 +8,7 @@ import re
 
 import pytest
 
+from tests.recipe_layouts import LLAMA8B_DISTRIBUTED_OPTIMIZER
 from tests.unit.test_cli_errors import assert_user_error
 
 UNTIED = "model.share_embeddings_and_output_weights=false"
@@ -78,8 +79,9 @@ def test_supported_layouts_pass(cli, args):
     assert result.exit_code == 0, result.output
 
 
-LLAMA8B_ON_8 = ["pretrain", "recipe=llama8b", "--dry-run", "--device", "cuda", "--world-size", "8", "--gpu-memory", "80",
-                "optimizer.adam_kernel=foreach", "model.gradient_accumulation_fusion=false", "model.compile_layers=false"]
+LLAMA8B_ON_8 = ["pretrain", "recipe=llama8b", *LLAMA8B_DISTRIBUTED_OPTIMIZER, "--dry-run", "--device", "cuda",
+                "--world-size", "8", "--gpu-memory", "80", "optimizer.adam_kernel=foreach",
+                "model.gradient_accumulation_fusion=false", "model.compile_layers=false"]
 
 
 def memory_lines(result) -> dict[str, float]:

@@ -14,6 +14,7 @@ from bridge_cli.training.config import ConfigContainer
 from bridge_cli.training.memory_estimate import GIB, estimate, estimate_memory, shape_of, with_changes
 from tests.conftest import REPO
 from tests.doc_text import section
+from tests.recipe_layouts import LLAMA8B_DISTRIBUTED_OPTIMIZER
 from tests.unit.test_cli_errors import assert_user_error
 
 # tiny: 2 layers, hidden 128, SwiGLU FFN 512, 4 heads of 32 channels, 2 key/value groups, vocabulary 1024 (tied
@@ -28,7 +29,9 @@ TINY_LAYER_ACTIVATIONS = TOKENS * 4 * (2 * 128 + 2 * 128  # the two norms' input
                                        + 3 * 512)  # fc1's two halves and fc2's input
 TINY_HEAD = TOKENS * 4 * 2 * 128  # the final norm's input and output
 TINY_LOGITS = TOKENS * 1024 * (4 + 4)  # megatron-core's loss: the fp32 softmax next to the fp32 logits
-LLAMA8B_ON_8 = ("pretrain", "recipe=llama8b", "--dry-run", "--device", "cuda", "--world-size", "8",
+LLAMA8B_ON_8 = ("pretrain", "recipe=llama8b", *LLAMA8B_DISTRIBUTED_OPTIMIZER, "--dry-run", "--device", "cuda",
+                "--world-size", "8", "--gpu-memory", "80")
+LLAMA8B_ON_2 = ("pretrain", "recipe=llama8b", "--dry-run", "--device", "cuda", "--world-size", "2",
                 "--gpu-memory", "80")
 
 
@@ -155,8 +158,9 @@ def test_context_parallelism_divides_the_sequence_but_gathers_keys_and_values():
 
 
 def test_dry_run_prints_the_memory_per_gpu_and_fits(cli):
-    result = cli("pretrain", "recipe=llama8b", "model.tensor_model_parallel_size=2", "train.global_batch_size=16",
-                 "model.spec=torch", "--dry-run", "--device", "cuda", "--world-size", "4", "--gpu-memory", "80")
+    result = cli("pretrain", "recipe=llama8b", *LLAMA8B_DISTRIBUTED_OPTIMIZER, "model.tensor_model_parallel_size=2",
+                 "train.global_batch_size=16", "model.spec=torch", "--dry-run", "--device", "cuda", "--world-size", "4",
+                 "--gpu-memory", "80")
     assert result.exit_code == 0, result.output
     block = result.stdout.split("memory_per_gpu:", 1)[1]
     for line in ("  weights: 7.5  # 4.02B parameters in bf16", "  gradients: 15.0  # fp32 buffer",
@@ -166,6 +170,16 @@ def test_dry_run_prints_the_memory_per_gpu_and_fits(cli):
                  "  verdict: fits"):
         assert line in block, block
     assert "warning" not in result.stderr
+
+
+@pytest.mark.parametrize("world, total", [(4, "70.2"), (8, "55.3")])
+def test_llama8b_as_shipped_fits_4_and_8_80_gb_gpus(cli, world, total):
+    """Its torch FSDP2 layout: a first `bridge pretrain recipe=llama8b` on a 4- or 8-GPU H100 node fits."""
+    result = cli("pretrain", "recipe=llama8b", "--dry-run", "--device", "cuda", "--world-size", str(world),
+                 "--gpu-memory", "80")
+    assert result.exit_code == 0, result.output
+    assert f"  total: {total}\n" in result.stdout and "  verdict: fits" in result.stdout
+    assert "torch FSDP2's share of" in result.stdout and result.stderr == ""
 
 
 def test_a_layout_that_will_not_fit_names_the_settings_that_would(cli):
@@ -192,8 +206,9 @@ def test_the_distributed_optimizer_and_a_smaller_micro_batch_are_offered_when_th
 
 
 def test_a_model_too_large_for_any_single_setting_gets_them_together(cli):
-    result = cli("pretrain", "recipe=llama8b", "optimizer.use_distributed_optimizer=false", "train.micro_batch_size=2",
-                 "--dry-run", "--device", "cuda", "--world-size", "8", "--gpu-memory", "40")
+    result = cli("pretrain", "recipe=llama8b", *LLAMA8B_DISTRIBUTED_OPTIMIZER,
+                 "optimizer.use_distributed_optimizer=false", "train.micro_batch_size=2", "--dry-run", "--device", "cuda",
+                 "--world-size", "8", "--gpu-memory", "40")
     assert result.exit_code == 0, result.output
     assert "No single setting is enough; together these would: optimizer.use_distributed_optimizer=true " \
            "train.micro_batch_size=1 model.recompute_granularity=full" in result.stderr, result.stderr
@@ -205,16 +220,16 @@ FSDP2_KEYS = ("dist.use_torch_fsdp2=true optimizer.use_distributed_optimizer=fal
 
 @pytest.mark.parametrize("world, estimate_gib", [(4, 70.2), (8, 55.3)])
 def test_torch_fsdp2_is_offered_first_for_llama8b_and_its_line_passes_as_typed(cli, world, estimate_gib):
-    command = ("pretrain", "recipe=llama8b", "--dry-run", "--device", "cuda", "--world-size", str(world),
-               "--gpu-memory", "80")
+    command = ("pretrain", "recipe=llama8b", *LLAMA8B_DISTRIBUTED_OPTIMIZER, "--dry-run", "--device", "cuda",
+               "--world-size", str(world), "--gpu-memory", "80")
     warning = cli(*command).stderr.strip()
     assert f"will not fit. Any one of these would: {FSDP2_KEYS} ({estimate_gib} GiB); " in warning, warning
     typed = cli(*command, *FSDP2_KEYS.split())
     assert typed.exit_code == 0, typed.output
     assert f"  total: {estimate_gib}\n" in typed.stdout and "  verdict: fits" in typed.stdout
     assert typed.stderr == ""
-    assert cli("config", "validate", "recipe=llama8b", *FSDP2_KEYS.split(), "--device", "cuda", "--world-size",
-               str(world), "--gpu-memory", "80").exit_code == 0
+    assert cli("config", "validate", "recipe=llama8b", *LLAMA8B_DISTRIBUTED_OPTIMIZER, *FSDP2_KEYS.split(), "--device",
+               "cuda", "--world-size", str(world), "--gpu-memory", "80").exit_code == 0
 
 
 @pytest.mark.parametrize("overrides, world, gpu", [
@@ -225,8 +240,8 @@ def test_torch_fsdp2_is_offered_first_for_llama8b_and_its_line_passes_as_typed(c
     (("model.num_layers=4",), 1, 43),
 ])
 def test_torch_fsdp2_is_not_offered_where_it_is_refused_or_has_no_ranks_to_shard_over(cli, overrides, world, gpu):
-    result = cli("pretrain", "recipe=llama8b", *overrides, "--dry-run", "--device", "cuda", "--world-size",
-                 str(world), "--gpu-memory", str(gpu))
+    result = cli("pretrain", "recipe=llama8b", *LLAMA8B_DISTRIBUTED_OPTIMIZER, *overrides, "--dry-run", "--device",
+                 "cuda", "--world-size", str(world), "--gpu-memory", str(gpu))
     assert result.exit_code == 0, result.output
     assert "Any one of these would: " in result.stderr, result.stderr
     assert "dist.use_torch_fsdp2=true" not in result.stderr
@@ -270,7 +285,8 @@ def test_finetune_dry_run_counts_only_the_adapters_gradients_and_state(cli):
 
 
 def test_finetune_dry_run_with_lora_fits_llama8b_on_one_gpu(cli):
-    result = cli("finetune", "recipe=llama8b", "peft=lora", "--dry-run", "--device", "cuda", "--gpu-memory", "80")
+    result = cli("finetune", "recipe=llama8b", *LLAMA8B_DISTRIBUTED_OPTIMIZER, "peft=lora", "--dry-run", "--device",
+                 "cuda", "--gpu-memory", "80")
     assert result.exit_code == 0, result.output
     # rank-32 adapters on QKV, projection, fc1 and fc2 of 32 layers: 32 x 32 x 65,536 = 67.1M trainable weights
     for line in ("  weights: 15.0  # 8.03B parameters in bf16", "  gradients: 0.3  # fp32 buffer, adapters only",
@@ -296,8 +312,8 @@ def test_the_table_of_estimates_is_what_the_dry_run_prints(cli):
 
 def test_the_running_page_example_is_what_the_dry_run_prints(cli):
     text = (REPO / "docs" / "running.md").read_text()
-    example = text.split(f"    bridge {' '.join(LLAMA8B_ON_8)}\n")[1]
+    example = text.split(f"    bridge {' '.join(LLAMA8B_ON_2)}\n")[1]
     warning = re.search(r"^    (warning: .*)$", example, re.M).group(1)
-    result = cli(*LLAMA8B_ON_8)
+    result = cli(*LLAMA8B_ON_2)
     assert result.stderr.strip() == warning
-    assert "  total: 95.2\n" in result.stdout and "  verdict: will not fit" in result.stdout
+    assert "  total: 100.1\n" in result.stdout and "  verdict: will not fit" in result.stdout
