@@ -5,8 +5,9 @@
         [-- OVERRIDE ...]
 
 Each ``--layout`` is a `torchrun --nproc-per-node GPUS -m bridge_cli pretrain` of the recipe with the OVERRIDEs and
-the layout's own (LAYOUTS below: ``shipped`` the recipe as it is, ``tp2`` tensor parallelism 2 and data
-parallelism for the rest, ``fsdp2`` torch FSDP2 over every GPU, ``mfsdp`` Megatron-FSDP's optim_grads_params; default
+the layout's own (LAYOUTS below, each whatever the recipe ships: ``shipped`` the recipe as it is, ``tp2`` tensor
+parallelism 2 with the distributed optimizer and data parallelism for the rest, ``fsdp2`` eager torch FSDP2 over every
+GPU, ``mfsdp`` Megatron-FSDP's optim_grads_params; default
 ``tp2 fsdp2``, ``shipped`` on one GPU); each ``--variant NAME:OVERRIDES`` adds one of its own. ``--titan`` first
 runs torchtitan 0.2.2 (``run_titan.py`` in this folder) under torchrun on as many GPUs at the recipe's shape
 (layers, hidden, heads, KV heads, FFN, vocab, seq, read from bridge's composed config, so the OVERRIDEs count),
@@ -58,15 +59,18 @@ from layouts import free_port
 from moe_ep import summary
 from titan_harness import per_gpu_rates, shape_flags
 
-LAYOUTS = {
+LAYOUTS = {  # each sets what makes it this layout, whatever the recipe ships (llama8b ships torch FSDP2 compiled)
     "shipped": [],
-    "tp2": ["model.tensor_model_parallel_size=2"],
+    # the distributed optimizer with its overlapped reduce and fused weight gradients, as Megatron-LM runs TP
+    "tp2": ["model.tensor_model_parallel_size=2", "dist.use_torch_fsdp2=false", "optimizer.use_distributed_optimizer=true",
+            "ddp.overlap_grad_reduce=true", "model.gradient_accumulation_fusion=true"],
+    # eager layers and torch's foreach Adam, the FSDP2 baseline (the shipped llama8b adds compile and the Triton Adam)
     "fsdp2": ["dist.use_torch_fsdp2=true", "optimizer.use_distributed_optimizer=false", "ddp.overlap_grad_reduce=false",
-              "model.gradient_accumulation_fusion=false", "optimizer.adam_kernel=foreach"],
+              "model.gradient_accumulation_fusion=false", "model.compile_layers=false", "optimizer.adam_kernel=foreach"],
     # docs/parallelism.md#fsdp: Megatron-FSDP runs eager layers and torch's foreach Adam over its shards
-    "mfsdp": ["optimizer.use_distributed_optimizer=true", "ddp.use_megatron_fsdp=true",
-              "ddp.data_parallel_sharding_strategy=optim_grads_params", "model.gradient_accumulation_fusion=false",
-              "model.compile_layers=false", "optimizer.adam_kernel=foreach"],
+    "mfsdp": ["dist.use_torch_fsdp2=false", "optimizer.use_distributed_optimizer=true", "ddp.use_megatron_fsdp=true",
+              "ddp.data_parallel_sharding_strategy=optim_grads_params", "ddp.overlap_grad_reduce=false",
+              "model.gradient_accumulation_fusion=false", "model.compile_layers=false", "optimizer.adam_kernel=foreach"],
 }
 DEFAULT_OVERRIDES = ["train.global_batch_size=16", "optimizer.lr=5e-5", "optimizer.min_lr=5e-6",
                      "scheduler.lr_warmup_iters=2", "scheduler.lr_warmup_fraction=null"]

@@ -368,8 +368,10 @@ TINY_UNTIED = ["model.share_embeddings_and_output_weights=false", "train.global_
 @pytest.mark.slow
 def test_dense_scale_on_the_cpu():
     """Two layouts on two processes train the same model to the same loss; Megatron-FSDP, which needs a GPU, is a
-    row with bridge's error, and the table goes on."""
-    out = succeeded(python(str(BENCH / "dense_scale.py"), *DENSE_SCALE_ON_THE_CPU, "--layout", "tp2", "mfsdp",
+    row with bridge's error, and the table goes on. TP=2 runs as a variant without the tp2 layout's distributed
+    optimizer, which bridge refuses on the CPU (the layouts themselves: test_dense_scale_layouts_fit_llama8b)."""
+    out = succeeded(python(str(BENCH / "dense_scale.py"), *DENSE_SCALE_ON_THE_CPU, "--layout", "mfsdp",
+                           "--variant", "tp2:model.tensor_model_parallel_size=2",
                            "--variant", "fsdp2-dp:dist.use_torch_fsdp2=true,optimizer.use_distributed_optimizer=false,"
                            "ddp.overlap_grad_reduce=false,model.gradient_accumulation_fusion=false", "--", *TINY_UNTIED,
                            env=ONE_THREAD, timeout=600))
@@ -385,6 +387,21 @@ def test_dense_scale_on_the_cpu():
     assert re.search(r"^bridge tp2 +[0-9.]+ +[0-9,]+ .* [0-9.]+$", out, re.M), out
     assert re.search(r"^  bridge tp2 \(world 2 = TP 2 x PP 1 x CP 1 x DP 1\): [0-9.]+ s = -?[0-9.]+ torchrun, "
                      r"interpreters \+ [0-9.]+ start-up \(.*imports.*\) \+ [0-9.]+ first iteration$", out, re.M), out
+
+
+@pytest.mark.parametrize("layout", ["tp2", "fsdp2", "mfsdp"])
+def test_dense_scale_layouts_fit_llama8b(layout, monkeypatch):
+    """Each layout of dense_scale.py is that layout whatever the recipe ships: on llama8b (which ships torch FSDP2,
+    compiled) at the 4-GPU command's global batch, the dry run passes validation and does not say it will not fit
+    80 GB GPUs (Megatron-FSDP's 74.4 GiB is within the estimate's error: "may not fit")."""
+    monkeypatch.syspath_prepend(str(BENCH))  # its imports of the scripts beside it
+    spec = importlib.util.spec_from_file_location("dense_scale", BENCH / "dense_scale.py")
+    dense_scale = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(dense_scale)
+    result = bridge("pretrain", "recipe=llama8b", "train.global_batch_size=16", *dense_scale.LAYOUTS[layout],
+                    "--dry-run", "--device", "cuda", "--world-size", "4")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert re.search(r"^\s*verdict: (fits|may not fit)$", result.stdout, re.M), result.stdout[-3000:]
 
 
 @pytest.mark.slow
