@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from bridge_cli.config.runtime_configs import resilience_missing
-from tests.conftest import REPO, bridge, run_env, torchrun
+from tests.conftest import REPO, RUN_ENV, bridge, torchrun
 from tests.integration.test_checkpoint_resume import LOSS, losses
 
 pytestmark = [pytest.mark.slow,
@@ -44,6 +44,10 @@ FT = ["ft.enable_ft_package=true", "ft.calc_ft_timeouts=true"]
 FAULT_LINE = re.compile(r"simulated fault \((\w+)\): rank (\d) .* at ([0-9.]+), ")
 TIMEOUTS = re.compile(r"fault tolerance: timeouts (?:computed \(.*?\), kept in|from) \S+ft_state\.json: "
                       r".*?step (\S+) s \(computed\), checkpointing (\S+) s \(computed\)")
+FRESH = {**RUN_ENV, "OMP_NUM_THREADS": "1"}
+"""The environment of a run under ft_launcher: fresh processes, not forks of the worker's server (tests/fork_shim),
+since the launcher stops a rank by signalling its process, which a forked run outlives: an orphan that held the
+template's output pipe open kept a Slurm test waiting after ft_launcher had exited."""
 HANG = re.compile(r"(?:\[RankMonServer(\d+)@.*?\]|\[workload:[^\]]*?\(([\d?]+)\)[^\]]*\] rank_monitor_server\.py:\d+ "
                   r"\[Cycle \d+\]) (?:Section '(\w+)' has been open|Was (out of section)) for ([0-9.]+) seconds\. "
                   r"Timeout is ([0-9.]+) seconds\.")
@@ -75,7 +79,7 @@ def under_ft_launcher(root: Path, *overrides: str, timeout: int = 300, launcher:
     log = root.parent / f"{root.name}.log"
     with open(log, "w") as out:
         proc = subprocess.Popen([*launcher, "-m", "bridge_cli", "pretrain", *ARGS, f"checkpoint.save={root}",
-                                 *overrides], cwd=REPO, env=run_env({"OMP_NUM_THREADS": "1"}), stdout=out,
+                                 *overrides], cwd=REPO, env=FRESH, stdout=out,
                                 stderr=subprocess.STDOUT, text=True, start_new_session=True)
         try:
             proc.wait(timeout=timeout)
@@ -152,7 +156,7 @@ def test_the_slurm_template_restarts_both_nodes_after_a_fault(tmp_path):
     args = ["recipe=tiny", "train.train_iters=60", "logger.log_interval=1", "train.eval_iters=0",
             "checkpoint.save_interval=5", f"checkpoint.save={tmp_path / 'ckpt'}", *FAULT,
             "ft.simulated_fault_type=rank_killed", "ft.simulated_fault_rank=1", "ft.simulated_fault_base_delay=3"]
-    result = sbatch("ft_multi_node.sbatch", tmp_path, *args)
+    result = sbatch("ft_multi_node.sbatch", tmp_path, *args, hand_off=False)
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-5000:]
     assert len(FAULT_LINE.findall(out)) == 1 and "data-parallel groups: [0,1]" in out, out[-5000:]
@@ -167,7 +171,7 @@ def test_the_slurm_template_restarts_both_nodes_after_a_fault(tmp_path):
 def test_a_launcher_without_bridge_sections_is_told_the_flags(tmp_path):
     launcher = [arg for arg in LAUNCHER if not arg.startswith(("--ft-rank-section", "--max-restarts"))]
     result = subprocess.run([*launcher, "-m", "bridge_cli", "pretrain", *ARGS, f"checkpoint.save={tmp_path / 'ckpt'}",
-                             *FT], cwd=REPO, env=run_env({"OMP_NUM_THREADS": "1"}), capture_output=True, text=True,
+                             *FT], cwd=REPO, env=FRESH, capture_output=True, text=True,
                             timeout=300)
     assert result.returncode != 0
     assert ("error: ft.enable_ft_package=true: ft_launcher was started without bridge's sections setup, step, "

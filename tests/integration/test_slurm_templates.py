@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, _free_port, run_env
+from tests.conftest import REPO, RUN_ENV, _free_port, run_env
 
 pytestmark = pytest.mark.slow
 
@@ -37,13 +37,15 @@ esac
 SQUEUE = "#!/bin/bash\necho 00:20:00\n"
 
 
-def sbatch(template: str, tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+def sbatch(template: str, tmp_path: Path, *args: str, hand_off: bool = True) -> subprocess.CompletedProcess:
+    """Run a template as Slurm would on two nodes; its bridge runs are forks of the worker's server unless
+    ``hand_off`` is false (under ft_launcher, whose kill of a rank's process a forked run would outlive)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     for name, body in (("srun", SRUN), ("scontrol", SCONTROL), ("squeue", SQUEUE)):
         (bin_dir / name).write_text(body)
         (bin_dir / name).chmod(0o755)
-    env = run_env()
+    env = run_env() if hand_off else dict(RUN_ENV)
     env = {**env, "PATH": f"{bin_dir}:{Path(sys.executable).parent}:{env['PATH']}",
            "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "bridge", "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "node[1-2]",
            "SLURM_SUBMIT_DIR": str(REPO), "GPUS_PER_NODE": "1", "RDZV_PORT": str(_free_port()),
