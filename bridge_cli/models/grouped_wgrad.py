@@ -10,7 +10,7 @@ registers and adding into ``main_grad`` once per output tile.
 
 :func:`accumulate_op` is the same addition as a custom op that mutates ``main_grad``: a compiled
 backward keeps it in its graph (AOTAutograd holds a backward mutation of a forward input), so a compiled
-MoE layer stays one graph. Where Triton or CUDA is missing the op adds one GEMM per expert (the CPU, tests).
+MoE layer stays one graph. Where Triton or CUDA is missing the op adds one accumulating GEMM per expert (the dense linears' own).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import functools
 
 import torch
 
+from bridge_cli.models.wgrad_accumulation import wgrad_gemm_accum_fp32
 from bridge_cli.runtime.triton_support import available as triton_available
 
 
@@ -49,7 +50,7 @@ def accumulate_op(grad_output: torch.Tensor, x: torch.Tensor, ends: torch.Tensor
         return
     start = 0
     for expert, end in enumerate(ends.tolist()):
-        main_grad[expert] += (grad_output[start:end].t() @ x[start:end]).to(main_grad.dtype)
+        wgrad_gemm_accum_fp32(x[start:end], grad_output[start:end], main_grad[expert])
         start = end
 
 
