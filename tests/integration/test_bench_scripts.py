@@ -394,10 +394,7 @@ def test_dense_scale_layouts_fit_llama8b(layout, monkeypatch):
     """Each layout of dense_scale.py is that layout whatever the recipe ships: on llama8b (which ships torch FSDP2,
     compiled) at the 4-GPU command's global batch, the dry run passes validation and does not say it will not fit
     80 GB GPUs (Megatron-FSDP's 74.4 GiB is within the estimate's error: "may not fit")."""
-    monkeypatch.syspath_prepend(str(BENCH))  # its imports of the scripts beside it
-    spec = importlib.util.spec_from_file_location("dense_scale", BENCH / "dense_scale.py")
-    dense_scale = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(dense_scale)
+    dense_scale = bench_module(monkeypatch, "dense_scale")
     result = bridge("pretrain", "recipe=llama8b", "train.global_batch_size=16", *dense_scale.LAYOUTS[layout],
                     "--dry-run", "--device", "cuda", "--world-size", "4")
     assert result.returncode == 0, result.stderr[-3000:]
