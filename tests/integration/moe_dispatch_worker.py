@@ -67,13 +67,19 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
-def main() -> None:
+def arguments() -> argparse.ArgumentParser:
+    """The worker's output file and the layout and routing that :func:`build` reads."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--ep", type=int, default=2)
     parser.add_argument("--etp", type=int, default=1)
     parser.add_argument("--topk", type=int, default=3)
+    return parser
+
+
+def main() -> None:
+    parser = arguments()
     parser.add_argument("--dispatcher", default="alltoall")
     args = parser.parse_args()
     init_distributed("gloo", 2, args.tp, 1, expert_model_parallel_size=args.ep, expert_tensor_parallel_size=args.etp)

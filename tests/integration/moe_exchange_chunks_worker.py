@@ -15,7 +15,6 @@ code issue the collectives, wait on them and run the GEMMs.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import logging
@@ -151,12 +150,7 @@ class EagerOrder(TorchDispatchMode):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--tp", type=int, default=1)
-    parser.add_argument("--ep", type=int, default=2)
-    parser.add_argument("--etp", type=int, default=1)
-    parser.add_argument("--topk", type=int, default=3)
+    parser = moe_dispatch_worker.arguments()
     parser.add_argument("--chunks", type=int, nargs="+", default=[2])
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--program-order", action="store_true")
