@@ -1,12 +1,13 @@
 """NVIDIA Resiliency Extension's straggler detection (the ``nvrx_straggler`` section; GPU only).
 
 NVRx's ``straggler.Detector`` times the CUDA kernels of each training step with CUPTI (every
-``profiling_interval``-th step) and, every ``report_time_interval`` seconds (the ranks agree on the step),
-scores each GPU: relative to the fastest GPU, and individually against its own best so far (1.0: as fast).
-Rank 0 gathers every rank's scores; bridge hands them to the logging rank, which prints the best and worst,
-names the GPUs below the thresholds, writes every score to TensorBoard/W&B, and, with
-``stop_if_detected``, has the run save a checkpoint and stop (every rank decides alike from rank 0's report).
-"""
+``profiling_interval``-th step) and scores each GPU: relative to the fastest GPU, and individually against its
+own best so far (1.0: as fast). It times the first 16 steps, turns ``report_time_interval`` seconds into a number
+of steps (the largest any rank computed, so every rank reports at the same step) and reports every that many
+steps. Rank 0 gathers every rank's scores and alone holds the report; bridge sends its summary from rank 0 to
+every rank at each report, and the logging rank prints the best and worst, names the GPUs below the thresholds,
+writes every score to TensorBoard/W&B, and, with ``stop_if_detected``, has the run save a checkpoint and stop
+(every rank decides alike from rank 0's report)."""
 
 from __future__ import annotations
 
@@ -106,16 +107,14 @@ class NVRxStragglerDetection(NoStragglerDetection):
         return self.detector.detection_section(SECTION, profile_cuda=True)
 
     def after_step(self, step: int, writer: Any) -> Optional[str]:
-        import torch.distributed as dist
-
         from bridge_cli.runtime.collectives import is_last_rank
 
-        report = self.detector.generate_report_if_interval_elapsed()  # collective: due on every rank alike
-        if report is None:
+        report = self.detector.generate_report_if_interval_elapsed()  # collective when due
+        # Due at the same step on every rank (NVRx agrees on the interval in steps), but only rank 0 holds the
+        # report (gather_on_rank0): every rank asks whether one is due, never whether it holds one.
+        if not self.detector.is_interval_elapsed():
             return None
-        box = [StragglerSummary.of(report, self.cfg) if dist.get_rank() == 0 else None]
-        dist.broadcast_object_list(box, src=0)
-        summary = box[0]
+        summary = summary_from_rank_0(report, self.cfg)
         if is_last_rank():
             for line in summary.lines(self.cfg, step):
                 self.log.log(logging.WARNING if line.startswith("straggler") else logging.INFO, line)
@@ -141,9 +140,19 @@ def start_nvrx_straggler_detection(cfg) -> NoStragglerDetection:
     return NVRxStragglerDetection(cfg)
 
 
+def summary_from_rank_0(report, cfg) -> StragglerSummary:
+    """Rank 0's summary of its ``report``, on every rank; called by every rank when a report is due (the
+    others hold None)."""
+    import torch.distributed as dist
+
+    box = [StragglerSummary.of(report, cfg) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def _straggler_module():
-    """nvidia_resiliency_ext's straggler package: ``attribution.straggler`` in recent releases, ``straggler``
-    in 0.4 to 0.6."""
+    """nvidia_resiliency_ext's straggler package: ``attribution.straggler`` from 0.5 on, ``straggler`` in 0.4
+    (the same Detector and Report through 0.7)."""
     try:
         from nvidia_resiliency_ext.attribution import straggler
     except ImportError:
