@@ -18,13 +18,14 @@ The measured runs, `bridge finetune` for --iters iterations each, in this order:
 3. ``sft (student)``: the distillation recipe with finetune.objective=sft;
 4. ``distill``: the distillation recipe, distill.teacher_checkpoint the teacher's checkpoint.
 Each with tokenizer=null_tokenizer, train.global_batch_size=--global-batch (pairs under DPO, rows otherwise), no
-evaluation. OVERRIDEs after ``--`` apply to every run, the checkpoints' included (``model.num_layers=8`` makes the
+evaluation. The losses in the RESULTS line are each run's objective's (the log line's first: lm loss, dpo loss,
+distill loss). OVERRIDEs after ``--`` apply to every run, the checkpoints' included (``model.num_layers=8`` makes the
 8B models 8 layers deep; a recipe without model.vocab_size needs one, e.g. ``model.vocab_size=256``).
 
 Prints a row per run as it ends, then the table: ms/iter (median after the first --warmup), tokens/s/GPU (DPO counts
-both rows of a pair), TFLOP/s/GPU and MFU as bridge counts them (the reference's or teacher's forward included;
-percent of 989 TFLOP/s, the H100's dense bf16 peak), peak memory, then DPO's and distillation's tokens/s/GPU over
-their SFT's. A measured run that fails (out of memory, say) is a row with its error line; the others go on. On a
+both rows of a pair), TFLOP/s/GPU and MFU as bridge counts them (bridge_cli/models/flops.py: no weight gradients
+for LoRA's frozen weights, the reference's or teacher's forward included; percent of 989 TFLOP/s, the H100's dense
+bf16 peak), peak memory, then DPO's and distillation's tokens/s/GPU over their SFT's. A measured run that fails (out of memory, say) is a row with its error line; the others go on. On a
 machine without a GPU every run goes to the CPU: a dry run whose numbers mean nothing.
 """
 
@@ -34,6 +35,7 @@ import argparse
 import dataclasses
 import json
 import random
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -51,6 +53,8 @@ BASE = ["finetune.objective=sft", "peft=null", "dataset=mock", "train.train_iter
 HEADER = f"{'run':<22} {'ms/iter':>8} {'tok/s/gpu':>10} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>9}"  # report()'s columns
 RECORDS = 64
 """Records a file: the runs read them over and over."""
+OBJECTIVE_LOSS = re.compile(r"^iteration\s+(\d+)/\d+ .*? \| lr \S+ \| [a-z ]+? ([0-9.]+) \| ", re.M)
+"""An iteration's objective loss: the first loss on the log line, after lr (lm loss, dpo loss or distill loss)."""
 
 
 def sft_objective() -> list[str]:
@@ -121,9 +125,10 @@ def finetune(a, recipe: str, objective: list[str], data: Path, base: Path, *extr
 
 def measure(args: list[str], warmup: int) -> dict:
     try:
-        return summary(bridge("finetune", *args), warmup)
+        out = bridge("finetune", *args)
     except RunFailed as failure:
         return {"error": str(failure)}
+    return {**summary(out, warmup), "losses": {int(i): float(x) for i, x in OBJECTIVE_LOSS.findall(out)}}
 
 
 def row(name: str, r: dict) -> None:
@@ -159,6 +164,8 @@ def main() -> None:
     if not torch.cuda.is_available():
         print("no GPU visible: every run goes to the CPU (gloo), numbers meaningless", flush=True)
     seqs = [m["seq_length"] for m in models.values()]
+    if args.work is not None:
+        args.work.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=args.work) as tmp:
         tmp = Path(tmp)
         sft_data, pairs = write_data(tmp, min(m["vocab_size"] for m in models.values()), max(1, min(seqs) // 8),

@@ -1,6 +1,7 @@
 """scripts/bench/objective_speed.py end to end on the CPU, at tiny_dpo's and tiny_distill's shapes: it writes its
 data, makes its checkpoints (the teacher at tiny_dpo's shape, so the DPO base's checkpoint serves as the teacher too)
-and prints the four runs' rows and DPO's and distillation's tokens/s over their SFT's."""
+and prints the four runs' rows, each with its objective's losses, and DPO's and distillation's tokens/s over their
+SFT's; --work need not exist."""
 
 from __future__ import annotations
 
@@ -18,9 +19,10 @@ SCRIPT = REPO / "scripts" / "bench" / "objective_speed.py"
 ROWS = ["sft (dpo shape)", "dpo", "sft (student)", "distill"]
 
 
-def test_objective_speed_prints_each_runs_row_and_the_ratios_to_sft():
+def test_objective_speed_prints_each_runs_row_and_the_ratios_to_sft(tmp_path):
+    work = tmp_path / "not" / "yet"
     result = python(str(SCRIPT), "--iters", "5", "--warmup", "2", "--dpo-recipe", "tiny_dpo", "--distill-recipe",
-                    "tiny_distill", "--teacher-recipe", "tiny_dpo", "--", "model.vocab_size=256",
+                    "tiny_distill", "--teacher-recipe", "tiny_dpo", "--work", str(work), "--", "model.vocab_size=256",
                     env={"OMP_NUM_THREADS": "1"}, timeout=300)
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     out = result.stdout
@@ -33,6 +35,9 @@ def test_objective_speed_prints_each_runs_row_and_the_ratios_to_sft():
         assert float(row.group(1)) > 0 and float(row.group(2).replace(",", "")) > 0
     results = json.loads(out.split("RESULTS ", 1)[1])
     assert sorted(results) == sorted(ROWS)
+    for name in ROWS:  # the objective's loss of every iteration: DPO's log line names it dpo loss
+        assert sorted(map(int, results[name]["losses"])) == [1, 2, 3, 4, 5], (name, results[name]["losses"])
+    assert work.is_dir() and not any(work.iterdir())  # made, and its temporary folder removed
     ratios = dict(re.findall(r"^(dpo|distill) / sft \((?:dpo shape|student)\) tokens/s/gpu: (\S+)$", table, re.M))
     assert sorted(ratios) == ["distill", "dpo"], table
     for objective, base in (("dpo", "sft (dpo shape)"), ("distill", "sft (student)")):
