@@ -31,7 +31,7 @@ import pytest
 import torch
 
 from bridge_cli.config.runtime_configs import resilience_missing
-from tests.gpu.bounded_run import run_within, torchrun_command
+from tests.bounded_run import run_within, torchrun_command
 from tests.gpu.test_gpu_optimizer_layouts import TOLERANCE
 from tests.integration.test_checkpoint_resume import LOSS, losses
 from tests.integration.test_fault_tolerance import (ARGS, FAULT_LINE, FRESH, FT, HANG, LAUNCHER, RESUMED,

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from bridge_cli.config.runtime_configs import resilience_missing
-from tests.gpu.bounded_run import run_within, torchrun_command
+from tests.bounded_run import run_within, torchrun_command
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs"),

@@ -5,10 +5,8 @@ run computed before the fault are the ones its restart loads."""
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from bridge_cli.config.runtime_configs import resilience_missing
+from tests.bounded_run import kill_every_process_of
 from tests.conftest import REPO, RUN_ENV, bridge, torchrun
 from tests.integration.test_checkpoint_resume import LOSS, losses
 
@@ -84,7 +83,7 @@ def under_ft_launcher(root: Path, *overrides: str, timeout: int = 300, launcher:
         try:
             proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_every_process_of(proc.pid)  # the launcher starts each worker in a session of its own
             proc.wait()
     text = log.read_text()
     assert proc.returncode == 0, text[-5000:]

@@ -1,4 +1,4 @@
-"""A launch by the GPU tests (torchrun, ft_launcher) with a time limit that leaves nothing behind.
+"""A launch by the tests (torchrun, ft_launcher; the GPU tests and the CPU fault-tolerance tests) with a time limit that leaves nothing behind.
 
 subprocess.run's timeout kills the launcher alone, and killing its process group is not enough either: torchrun and
 ft_launcher start each worker in a session of its own, so the workers would go on holding the GPUs (and, hung in
