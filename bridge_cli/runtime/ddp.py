@@ -20,12 +20,15 @@ def wrap_model(model_chunks: list, ddp_config: DistributedDataParallelConfig, to
     """Wrap each model chunk in megatron-core DDP and make the data-parallel replicas equal.
 
     Chunks after the first (virtual pipeline stages) share one bucket each, as Megatron-LM
-    does, so their grads are reduced once the pipeline has drained. ``torch_fsdp2``
+    does, so their grads are reduced once the pipeline has drained. Overlapped param all-gathers
+    are waited on before each compiled layer rather than inside it
+    (:mod:`bridge_cli.runtime.param_gather_hooks`): compile the layers before wrapping. ``torch_fsdp2``
     (``dist.use_torch_fsdp2``) or ``ddp_config.use_megatron_fsdp`` wrap them in an FSDP
     instead (:mod:`bridge_cli.runtime.fsdp`), on ``device``.
     """
-    from megatron.core.distributed import DistributedDataParallel
     from megatron.core.utils import get_model_config
+
+    from bridge_cli.runtime.param_gather_hooks import GatherBeforeCompiledLayers
 
     if torch_fsdp2 or ddp_config.use_megatron_fsdp:
         from bridge_cli.runtime.fsdp import wrap_fsdp
@@ -33,7 +36,7 @@ def wrap_model(model_chunks: list, ddp_config: DistributedDataParallelConfig, to
         return wrap_fsdp(model_chunks, ddp_config, torch_fsdp2, device)
 
     wrapped = [
-        DistributedDataParallel(
+        GatherBeforeCompiledLayers(
             config=get_model_config(chunk),
             ddp_config=ddp_config,
             module=chunk,
