@@ -45,7 +45,8 @@ class GatherBeforeCompiledLayers(DistributedDataParallel):
             handle.remove()
         self.remove_forward_pre_hook_handles.clear()
         if param_sync:
-            self.start_param_sync(force_sync=True)
+            with torch.no_grad():  # a state update, not differentiable compute (megatron-core 0.19 does the same)
+                self.start_param_sync(force_sync=True)
 
 
 class _GatherFirst:
