@@ -7,7 +7,8 @@
 Each ``--layout`` is a `torchrun --nproc-per-node GPUS -m bridge_cli pretrain` of the recipe with the OVERRIDEs and
 the layout's own (LAYOUTS below, each whatever the recipe ships: ``shipped`` the recipe as it is, ``tp2`` tensor
 parallelism 2 with the distributed optimizer and data parallelism for the rest, ``fsdp2`` eager torch FSDP2 over every
-GPU, ``mfsdp`` Megatron-FSDP's optim_grads_params; default
+GPU, ``mfsdp`` Megatron-FSDP's optim_grads_params, ``dp`` the distributed optimizer over every GPU with mfsdp's other
+settings (Megatron-FSDP's reference where both fit: ``--recipe llama1b --layout dp mfsdp``); default
 ``tp2 fsdp2``, ``shipped`` on one GPU); each ``--variant NAME:OVERRIDES`` adds one of its own. ``--titan`` first
 runs torchtitan 0.2.2 (``run_titan.py`` in this folder) under torchrun on as many GPUs at the recipe's shape
 (layers, hidden, heads, KV heads, FFN, vocab, seq, read from bridge's composed config, so the OVERRIDEs count),
@@ -67,10 +68,17 @@ LAYOUTS = {  # each sets what makes it this layout, whatever the recipe ships (l
     # eager layers and torch's foreach Adam, the FSDP2 baseline (the shipped llama8b adds compile and the Triton Adam)
     "fsdp2": ["dist.use_torch_fsdp2=true", "optimizer.use_distributed_optimizer=false", "ddp.overlap_grad_reduce=false",
               "model.gradient_accumulation_fusion=false", "model.compile_layers=false", "optimizer.adam_kernel=foreach"],
-    # docs/parallelism.md#fsdp: Megatron-FSDP runs eager layers and torch's foreach Adam over its shards
+    # docs/parallelism.md#fsdp: Megatron-FSDP runs eager layers and torch's foreach Adam over its shards; bf16
+    # gradients, as FSDP2's (70.2 GiB a GPU for llama8b at 4 GPUs where fp32 ones make 74.4)
     "mfsdp": ["dist.use_torch_fsdp2=false", "optimizer.use_distributed_optimizer=true", "ddp.use_megatron_fsdp=true",
               "ddp.data_parallel_sharding_strategy=optim_grads_params", "ddp.overlap_grad_reduce=false",
-              "model.gradient_accumulation_fusion=false", "model.compile_layers=false", "optimizer.adam_kernel=foreach"],
+              "model.gradient_accumulation_fusion=false", "model.compile_layers=false", "optimizer.adam_kernel=foreach",
+              "ddp.grad_reduce_in_fp32=false"],
+    # what mfsdp shards, whole on every GPU but the optimizer state (the distributed optimizer over every GPU, no
+    # TP), the rest as mfsdp: the layout Megatron-FSDP is measured against where both fit
+    "dp": ["dist.use_torch_fsdp2=false", "optimizer.use_distributed_optimizer=true", "ddp.use_megatron_fsdp=false",
+           "ddp.overlap_grad_reduce=false", "model.gradient_accumulation_fusion=false", "model.compile_layers=false",
+           "optimizer.adam_kernel=foreach", "ddp.grad_reduce_in_fp32=false"],
 }
 DEFAULT_OVERRIDES = ["train.global_batch_size=16", "optimizer.lr=5e-5", "optimizer.min_lr=5e-6",
                      "scheduler.lr_warmup_iters=2", "scheduler.lr_warmup_fraction=null"]

@@ -369,7 +369,7 @@ TINY_UNTIED = ["model.share_embeddings_and_output_weights=false", "train.global_
 def test_dense_scale_on_the_cpu():
     """Two layouts on two processes train the same model to the same loss; Megatron-FSDP, which needs a GPU, is a
     row with bridge's error, and the table goes on. TP=2 runs as a variant without the tp2 layout's distributed
-    optimizer, which bridge refuses on the CPU (the layouts themselves: test_dense_scale_layouts_fit_llama8b)."""
+    optimizer, which bridge refuses on the CPU (the layouts themselves: test_dense_scale_layouts_are_what_they_say_on_llama8b)."""
     out = succeeded(python(str(BENCH / "dense_scale.py"), *DENSE_SCALE_ON_THE_CPU, "--layout", "mfsdp",
                            "--variant", "tp2:model.tensor_model_parallel_size=2",
                            "--variant", "fsdp2-dp:dist.use_torch_fsdp2=true,optimizer.use_distributed_optimizer=false,"
@@ -389,16 +389,18 @@ def test_dense_scale_on_the_cpu():
                      r"interpreters \+ [0-9.]+ start-up \(.*imports.*\) \+ [0-9.]+ first iteration$", out, re.M), out
 
 
-@pytest.mark.parametrize("layout", ["tp2", "fsdp2", "mfsdp"])
-def test_dense_scale_layouts_fit_llama8b(layout, monkeypatch):
+@pytest.mark.parametrize("layout, verdict", [("tp2", "fits"), ("fsdp2", "fits"), ("mfsdp", "fits"),
+                                             ("dp", "will not fit")])
+def test_dense_scale_layouts_are_what_they_say_on_llama8b(layout, verdict, monkeypatch):
     """Each layout of dense_scale.py is that layout whatever the recipe ships: on llama8b (which ships torch FSDP2,
-    compiled) at the 4-GPU command's global batch, the dry run passes validation and does not say it will not fit
-    80 GB GPUs (Megatron-FSDP's 74.4 GiB is within the estimate's error: "may not fit")."""
+    compiled) at the 4-GPU command's global batch the dry run passes validation, and says what the 80 GB GPUs hold:
+    the sharded layouts fit, the distributed optimizer over every GPU (dp) does not: the case only Megatron-FSDP
+    and FSDP2 run."""
     dense_scale = bench_module(monkeypatch, "dense_scale")
     result = bridge("pretrain", "recipe=llama8b", "train.global_batch_size=16", *dense_scale.LAYOUTS[layout],
                     "--dry-run", "--device", "cuda", "--world-size", "4")
     assert result.returncode == 0, result.stderr[-3000:]
-    assert re.search(r"^\s*verdict: (fits|may not fit)$", result.stdout, re.M), result.stdout[-3000:]
+    assert re.search(rf"^\s*verdict: {verdict}$", result.stdout, re.M), result.stdout[-3000:]
 
 
 @pytest.mark.slow
