@@ -95,6 +95,48 @@ def assert_overlapped(forward: list[str], backward: list[str]) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("chunks, main_grad", [(2, False), (4, True)], ids=["2_chunks", "4_chunks_main_grad"])
+def test_compiled_moe_layer_keeps_the_overlap(tmp_path, chunks, main_grad):
+    """The model's MoE layers compiled by model.compile_layers as on the GPU, each one graph with its grouped GEMMs
+    (the worker's trace_as_on_cuda), and run eagerly: in inductor's forward code and in the eager run, every chunk's
+    gather but the first is issued before the previous chunk's expert GEMMs and waited on after them, and every
+    reduce-scatter but the last is issued before the next chunk's GEMMs and waited on after them; in the backward
+    likewise, with each chunk's four GEMMs (two input gradients, two weight gradients, added into main_grad with
+    ``main_grad``). No graph breaks; compiled within bf16's rounding of the eager run (the CPU's grouped GEMM is bf16)."""
+    extra = ["--main-grad"] if main_grad else []
+    for rank in measure(tmp_path, 2, "--ep", "2", "--chunks", str(chunks), "--layer-order", *extra):
+        assert rank["graph_break_files"] == [], rank["graph_break_files"]
+        assert all(found["relative"] < 1e-4 for found in rank["outputs"].values()), rank["outputs"]
+        assert all(found["relative"] < 1e-2 for found in rank["grads"].values()), rank["grads"]
+        assert len(rank["forward"]) == 2 and len(rank["backward"]) >= 1  # one forward code a layer (layer_number)
+        for forward in rank["forward"]:
+            assert overlapped(forward, gemms=2) == {"gather": chunks - 1, "scatter": chunks - 1}, forward
+        for backward in rank["backward"]:
+            assert overlapped(backward, gemms=4) == {"gather": chunks - 1, "scatter": chunks - 1}, backward
+        layers = 2
+        assert overlapped(rank["eager_forward"], gemms=2) == {"gather": layers * (chunks - 1),
+                                                              "scatter": layers * (chunks - 1)}, rank["eager_forward"]
+        assert overlapped(rank["eager_backward"], gemms=4) == {"gather": layers * (chunks - 1),
+                                                               "scatter": layers * (chunks - 1)}, rank["eager_backward"]
+
+
+def overlapped(events: list[str], gemms: int) -> dict[str, int]:
+    """How many gathers and reduce-scatters of ``events`` ("gather <buffer>", "scatter <buffer>", "wait <buffer>",
+    "gemm") have at least ``gemms`` GEMMs (one chunk's) between their issue and their first wait."""
+    issued, found, count = {}, {"gather": 0, "scatter": 0}, 0
+    for event in events:
+        kind, _, buffer = event.partition(" ")
+        if kind == "gemm":
+            count += 1
+        elif kind in found:
+            issued[buffer] = (kind, count)
+        elif kind == "wait" and buffer in issued:
+            kind, at_issue = issued.pop(buffer)
+            found[kind] += count - at_issue >= gemms
+    return found
+
+
+@pytest.mark.slow
 def test_pretrain_with_chunked_exchange_follows_one_exchange():
     """`bridge pretrain recipe=tiny_moe` at EP=2 (a shared expert, z-loss, the first layer dense): the same losses."""
     from tests.integration.test_moe_parallel_cpu import SHORT
