@@ -28,6 +28,7 @@ the wheels); ``--titan-arg`` passes a flag to run_titan_moe.py (repeatable, e.g.
 from __future__ import annotations
 
 import argparse
+import bisect
 import importlib.util
 import json
 import re
@@ -83,7 +84,8 @@ def report(name: str, r: dict) -> dict:
 
 
 def collective_share(trace_dir: Path, steps: int) -> dict:
-    """Per-step milliseconds of NCCL kernels by kind and of GPU time in all, from rank 0's trace (empty on a CPU)."""
+    """Per-step milliseconds of NCCL kernels by kind, of their time while other kernels ran (``OVERLAPPED``) and of GPU
+    time in all, from rank 0's trace (empty on a CPU)."""
     trace = json.loads(next(trace_dir.glob("*.pt.trace.json")).read_text())
     kernels = [e for e in trace["traceEvents"] if e.get("cat") == "kernel" and "dur" in e]
     if not kernels:
@@ -93,8 +95,35 @@ def collective_share(trace_dir: Path, steps: int) -> dict:
              "all-reduce": "AllReduce"}
     per_step = {kind: sum(e["dur"] for e in kernels if "nccl" in e["name"].lower() and key in e["name"])
                 / steps / 1000 for kind, key in kinds.items()}
+    nccl = [e for e in kernels if "nccl" in e["name"].lower()]
+    per_step[OVERLAPPED] = overlapped_us(nccl, [e for e in kernels if "nccl" not in e["name"].lower()]) / steps / 1000
     per_step["GPU time"] = span_us / steps / 1000
     return per_step
+
+
+OVERLAPPED = "of which overlapped"
+"""collective_share's key: the NCCL kernels' time during which a compute kernel ran too (issue 44's question whether
+model.moe_exchange_chunks overlaps the exchange with the experts on the GPU)."""
+
+
+def overlapped_us(collectives: list[dict], compute: list[dict]) -> float:
+    """Microseconds of the ``collectives`` kernels (trace events: ``ts``, ``dur``) during which some ``compute`` kernel
+    ran (on another stream)."""
+    busy = []  # the compute kernels' time as disjoint [start, end) spans, in order
+    for start, end in sorted((e["ts"], e["ts"] + e["dur"]) for e in compute):
+        if busy and start <= busy[-1][1]:
+            busy[-1][1] = max(busy[-1][1], end)
+        else:
+            busy.append([start, end])
+    starts = [start for start, _ in busy]
+    total = 0.0
+    for e in collectives:
+        low, high = e["ts"], e["ts"] + e["dur"]
+        span = max(bisect.bisect_right(starts, low) - 1, 0)
+        while span < len(busy) and busy[span][0] < high:
+            total += max(0.0, min(high, busy[span][1]) - max(low, busy[span][0]))
+            span += 1
+    return total
 
 
 def curve_difference(a: dict, b: dict, iterations) -> float:
@@ -169,10 +198,11 @@ def expert_parallel(size: int, base: list[str], iters: int, tmp: Path) -> dict:
         trace = next(trace_dir.glob("*.pt.trace.json"))
         rows = kernel_breakdown.by_launching_op(trace, last - first + 1, 25)
         print(kernel_breakdown.op_table(rows, f"EP={size} rank 0, the 25 largest kernels by launching op, per step:"))
-        collectives = sum(v for k, v in share.items() if k != "GPU time")
+        collectives = sum(v for k, v in share.items() if k not in ("GPU time", OVERLAPPED))
         print(f"EP={size} rank 0 trace, ms per step: " + ", ".join(f"{k} {v:.1f}" for k, v in share.items())
               + f"; collectives {collectives / share['GPU time']:.1%} of the GPU time (the token exchange and the"
-              " optimizer's gradient reduce-scatter and weight all-gather)", flush=True)
+              f" optimizer's gradient reduce-scatter and weight all-gather), {share[OVERLAPPED] / collectives:.0%} of"
+              " theirs while compute kernels ran", flush=True)
     return result
 
 

@@ -146,6 +146,21 @@ def test_moe_ep_runs_one_gpu_without_the_exchange_fields(monkeypatch):
     assert refused.returncode == 2 and "model.moe_exchange_chunks" in refused.stderr, refused.stderr[-2000:]
 
 
+def test_moe_ep_reads_how_much_of_the_collectives_ran_beside_compute(monkeypatch, tmp_path):
+    """moe_ep.py's trace reading: an all-gather half under one GEMM, a reduce-scatter under two GEMMs that overlap each
+    other and under none for its last 10 us, a GEMM alone; two steps."""
+    moe_ep = bench_module(monkeypatch, "moe_ep")
+    kernels = [("ncclDevKernel_AllGather_RING_LL", 0, 40), ("sm90_xmma_gemm", 20, 60),
+               ("ncclDevKernel_ReduceScatter_Sum_bf16", 100, 50), ("nvjet_grouped", 90, 30), ("triton_poi", 110, 30),
+               ("triton_red", 200, 20)]
+    trace = {"traceEvents": [{"cat": "kernel", "name": name, "ts": ts, "dur": dur} for name, ts, dur in kernels]}
+    (tmp_path / "rank0.pt.trace.json").write_text(json.dumps(trace))
+    share = moe_ep.collective_share(tmp_path, steps=2)
+    assert share["all-gather"] == pytest.approx(0.020) and share["reduce-scatter"] == pytest.approx(0.025)
+    assert share[moe_ep.OVERLAPPED] == pytest.approx((20 + 40) / 2 / 1000)
+    assert share["GPU time"] == pytest.approx(0.110)
+
+
 def test_titan_moe_counts_bridges_activated_flops(monkeypatch):
     """moe_ep.py --titan hands torchtitan bridge's shape, and its MFU counts the FLOPs bridge's log counts."""
     from bridge_cli.models.flops import num_floating_point_operations
