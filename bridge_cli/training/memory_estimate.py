@@ -28,7 +28,10 @@ The estimate adds, for the pipeline stage that holds the most:
   model's width laid out as rows of the model's, held with the model's own for every micro-batch in flight;
 - a fixed allowance for what torch's allocator does not count (the CUDA context, NCCL's buffers).
 
-What it leaves out: FP8 (estimated as bf16, an upper bound), activation offloading, router imbalance under
+What it leaves out: FP8 (estimated as bf16: an upper bound with ``model.compile_layers``, whose graphs
+keep no fp8 copy of a weight; eager tensor-wise FP8 under torch FSDP2 keeps each FP8 layer's whole weight in fp8
+for its backward, 1 byte a parameter, more than the fp8 copies of its inputs save: llama8b about +1.9 GiB,
+tests/integration/test_fp8_fsdp_cpu.py), activation offloading, router imbalance under
 megatron-core's dispatchers (the average is used), allocator fragmentation beyond the allowance. Measured
 against the peaks of docs/performance.md in docs/parallelism.md#memory-per-gpu.
 """

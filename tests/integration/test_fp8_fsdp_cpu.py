@@ -5,7 +5,9 @@ The FP8 casts take their scales from the amax of the weight they are handed, so 
 would scale by the shard's amax: a wrong number with no error. FSDP2 hands each GEMM the whole gathered weight, so
 the logits are bitwise those of the whole model, and the gradients are its gradients averaged over the two ranks'
 tokens to within one bf16 rounding (FSDP2 reduce-scatters them in the weights' bf16, bridge setting no mixed-precision
-policy: ddp.grad_reduce_in_fp32 does not reach it). The model's FP8 training itself is refused on the CPU
+policy: ddp.grad_reduce_in_fp32 does not reach it). Eagerly, tensor-wise FP8 keeps the fp8 cast of each FP8 layer's
+whole weight from the forward to the backward, where FSDP2 frees the gathered bf16 weight (the memory estimate's
+note on FP8); compiled, the graphs keep none. The model's FP8 training itself is refused on the CPU
 (runtime/device_rules.py), so the worker builds the model through bridge's provider and spec, not the CLI.
 """
 
@@ -47,6 +49,8 @@ def test_fp8_linears_under_fsdp2_give_the_whole_models_numbers(tmp_path, recipe,
         # each GEMM was handed a whole weight, gathered: no DTensor, no shard
         assert len(eager["gemm_weights"]) == fp8_linears
         assert all(not w["dtensor"] and w["shape"] in eager["fp8_weight_shapes"] for w in eager["gemm_weights"])
+        if recipe == "tensorwise":  # eagerly its forward keeps the fp8 casts of the whole weights for the backward
+            assert eager["held"]["fp8_weights"] == eager["fp8_weight_bytes"], eager["held"]
         # compiled under FSDP2: each layer one graph, shared by the layers of its kind
         assert compiled["graph_breaks"] == 0 and compiled["graphs_compiled_for_fsdp2"] == layer_graphs, compiled
         # and no fp8 copy of a whole weight held from the forward to the backward (FSDP2 frees the gathered bf16 one)
