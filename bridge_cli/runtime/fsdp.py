@@ -204,7 +204,7 @@ def wrap_fsdp(model_chunks: list, ddp_config, torch_fsdp2: bool, device) -> list
 
     if torch_fsdp2:
         _match_optimizer_state_to_local_shards()
-        with _device_mesh_on(device.type):
+        with _device_mesh_on(device.type), _reduce_in_fp32(ddp_config.grad_reduce_in_fp32):
             return [_torch_fsdp2_wrapper()(config=get_model_config(chunk), ddp_config=ddp_config, module=chunk,
                                                   sub_modules_to_wrap=_torch_fsdp2_units())
                     for chunk in model_chunks]
@@ -288,6 +288,35 @@ def _device_mesh_on(device_type: str):
         yield
     finally:
         tfsdp.DeviceMesh = real
+
+
+@contextlib.contextmanager
+def _reduce_in_fp32(on: bool):
+    """``ddp.grad_reduce_in_fp32`` under FSDP2: megatron-core's TorchFullyShardedDataParallel calls ``fully_shard``
+    without a mixed-precision policy, so each layer's gradients were reduce-scattered in the weights' bf16 whatever
+    the field said. With it on, every ``fully_shard`` gets ``MixedPrecisionPolicy(reduce_dtype=torch.float32)``:
+    FSDP2 casts the layer's bf16 gradients to fp32, reduce-scatters and averages them in fp32 (twice the bytes of
+    bf16) and rounds the average to the weights' dtype once. The shard's gradient, and so its sum over the
+    micro-batches of a step, stays in the weights' dtype (FSDP2 keeps it there): unlike megatron-core's DDP, whose
+    fp32 ``main_grad`` buffer also accumulates in fp32. Weights already in fp32 reduce in fp32 either way."""
+    if not on:
+        yield
+        return
+    import torch
+    from megatron.core.distributed import torch_fully_sharded_data_parallel as tfsdp
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    real = tfsdp.fully_shard
+    policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
+
+    def fully_shard(module, **kwargs):
+        return real(module, mp_policy=policy, **kwargs)
+
+    tfsdp.fully_shard = fully_shard
+    try:
+        yield
+    finally:
+        tfsdp.fully_shard = real
 
 
 def load_model_state(chunk, state: dict, strict: bool) -> None:

@@ -32,9 +32,9 @@ PRESETS = {"tensorwise": dict(fp8="hybrid", fp8_recipe="tensorwise", first_last_
 """The model fields of conf/mixed_precision/bf16_with_fp8_{current_scaling,rowwise}_mixed.yaml."""
 
 
-def build(recipe: str):
+def build(recipe: str | None):
     """4 layers (the tensor-wise preset keeps the first and last in bf16), bf16 weights as the presets' params_dtype,
-    in megatron-core's Float16Module as ``build_model`` wraps them."""
+    in megatron-core's Float16Module as ``build_model`` wraps them; ``recipe`` None: no FP8 (bf16_mixed's model)."""
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from megatron.core.transformer.module import Float16Module
 
@@ -45,7 +45,7 @@ def build(recipe: str):
         seq_length=SEQ, position_embedding_type="rope", normalization="RMSNorm", add_bias_linear=False,
         gated_linear_unit=True, activation_func=F.silu, hidden_dropout=0.0, attention_dropout=0.0, spec="torch",
         bf16=True, params_dtype=torch.bfloat16, share_embeddings_and_output_weights=False,
-        use_cpu_initialization=True, **PRESETS[recipe])
+        use_cpu_initialization=True, **(PRESETS[recipe] if recipe else {}))
     return Float16Module(config, config.provide())
 
 

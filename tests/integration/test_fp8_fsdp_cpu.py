@@ -4,8 +4,8 @@ against the same model whole on one process, eagerly and with model.compile_laye
 The FP8 casts take their scales from the amax of the weight they are handed, so a GEMM handed this rank's shard
 would scale by the shard's amax: a wrong number with no error. FSDP2 hands each GEMM the whole gathered weight, so
 the logits are bitwise those of the whole model, and the gradients are its gradients averaged over the two ranks'
-tokens to within one bf16 rounding (FSDP2 reduce-scatters them in the weights' bf16, bridge setting no mixed-precision
-policy: ddp.grad_reduce_in_fp32 does not reach it). Eagerly, tensor-wise FP8 keeps the fp8 cast of each FP8 layer's
+tokens to within one bf16 rounding (the worker leaves ddp.grad_reduce_in_fp32 off, so FSDP2 reduce-scatters them in
+the weights' bf16; test_fsdp_reduce_cpu.py has the fp32 reduction). Eagerly, tensor-wise FP8 keeps the fp8 cast of each FP8 layer's
 whole weight from the forward to the backward, where FSDP2 frees the gathered bf16 weight (the memory estimate's
 note on FP8); compiled, the graphs keep none. The model's FP8 training itself is refused on the CPU
 (runtime/device_rules.py), so the worker builds the model through bridge's provider and spec, not the CLI.
