@@ -118,19 +118,7 @@ def program_order(args) -> dict:
     eager = step(exchange, eager_forward, eager_backward)
     compiled = torch.compile(exchange, fullgraph=True, dynamic=False, **_layer_options(layer))
     ours, codes = run_and_get_code(lambda: step(compiled))
-    event = re.compile(r"(\w+) = torch\.ops\._c10d_functional\.(all_gather_into_tensor|reduce_scatter_tensor)\.default"
-                       r"|_c10d_functional\.wait_tensor\.default\((\w+)\)|extern_kernels\.mm\(")
-    orders = []
-    for code in codes:
-        events = []
-        for found in event.finditer(code.split("def call(", 1)[-1]):
-            if found.group(2):
-                events.append(f"{'gather' if found.group(2).startswith('all') else 'scatter'} {found.group(1)}")
-            elif found.group(3):
-                events.append(f"wait {found.group(3)}")
-            else:
-                events.append("mm")
-        orders.append(events)
+    orders = [code_events(code, compute=_MM, name="mm") for code in codes]
     return {"differences": differences(ours, eager), "orders": orders,
             "eager_orders": [eager_forward.events, eager_backward.events]}
 
@@ -206,18 +194,22 @@ def layer_order(args) -> dict:
             "eager_forward": eager_forward.events, "eager_backward": eager_backward.events}
 
 
-_EVENT = re.compile(r"(\w+) = torch\.ops\._c10d_functional\.(all_gather_into_tensor|reduce_scatter_tensor)\.default\("
-                    r"|_c10d_functional\.wait_tensor\.default\((\w+)\)"
-                    r"|(?:extern_kernels\._grouped_mm|torch\.ops\.aten\._grouped_mm\.default)\("
-                    r"|torch\.ops\.bridge\.accumulate_grouped_wgrad\.default\(")
+_COLLECTIVE = (r"(\w+) = torch\.ops\._c10d_functional\.(all_gather_into_tensor|reduce_scatter_tensor)\.default\("
+               r"|_c10d_functional\.wait_tensor\.default\((\w+)\)")
+_GEMM = (r"(?:extern_kernels\._grouped_mm|torch\.ops\.aten\._grouped_mm\.default)\("
+         r"|torch\.ops\.bridge\.accumulate_grouped_wgrad\.default\(")
+"""A grouped GEMM, or a weight gradient's added into main_grad."""
+_MM = r"extern_kernels\.mm\("
+"""A plain GEMM (the CPU's experts, one per expert)."""
 
 
-def code_events(code: str) -> list[str]:
-    """"gather <buffer>", "scatter <buffer>", "wait <buffer>" and "gemm" (a grouped GEMM, or a weight gradient's added
-    into main_grad) in the order inductor's generated ``call`` runs them."""
+def code_events(code: str, compute: str = _GEMM, name: str = "gemm") -> list[str]:
+    """"gather <buffer>", "scatter <buffer>", "wait <buffer>" and ``name`` (each match of ``compute``: by default a
+    grouped GEMM, or a weight gradient's added into main_grad) in the order inductor's generated ``call`` runs them."""
+    event = re.compile(f"{_COLLECTIVE}|{compute}")
     events = []
     for line in code.split("def call(", 1)[-1].splitlines():
-        found = _EVENT.search(line)
+        found = event.search(line)
         if not found or line.lstrip().startswith(("#", "assert")):
             continue
         if found.group(2):
@@ -225,7 +217,7 @@ def code_events(code: str) -> list[str]:
         elif found.group(3):
             events.append(f"wait {found.group(3)}")
         else:
-            events.append("gemm")
+            events.append(name)
     return events
 
 
