@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import sys
 from typing import Callable
 
@@ -41,6 +42,15 @@ def report(err: BaseException) -> None:
     typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
 
 
+def says_it_once(err: BaseException) -> bool:
+    """Whether this process prints ``err``: a config error is the same on every rank of a launch (the same config and
+    world), so under torchrun only each node's local rank 0 says it, not once per GPU; every other error is said by
+    every rank that meets it."""
+    from bridge_cli.config.errors import ConfigError
+
+    return not isinstance(err, ConfigError) or os.environ.get("LOCAL_RANK", "0") == "0"
+
+
 def handles_user_errors(command: Callable) -> Callable:
     """A user error becomes a one-paragraph message and exit 2, a diverged run a message and exit 1;
     a traceback only with --debug, or for a bug."""
@@ -54,7 +64,8 @@ def handles_user_errors(command: Callable) -> Callable:
                 raise
             for kinds, code in ((user_errors(), USAGE_EXIT_CODE), (run_failures(), RUN_FAILED_EXIT_CODE)):
                 if isinstance(err, kinds):
-                    report(err)
+                    if says_it_once(err):
+                        report(err)
                     sys.exit(code)
             raise
 

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO, bridge, run
+from tests.conftest import REPO, bridge, run, torchrun
 from tests.recipe_layouts import LLAMA8B_DISTRIBUTED_OPTIMIZER
 
 
@@ -112,3 +112,10 @@ def test_config_docs_shows_each_field_with_default_and_description(cli):
     assert peft.exit_code == 0 and "dim = 32" in peft.stdout and "LoRA rank" in peft.stdout
     unknown = cli("config", "docs", "nope")
     assert unknown.exit_code == 2 and "Sections: rng" in unknown.stderr and "peft (lora)" in unknown.stderr
+
+
+def test_a_config_error_under_torchrun_is_said_once_a_node_not_once_a_rank():
+    result = torchrun(2, "pretrain", "recipe=tiny", "train.global_batch_size=6", "train.train_iters=2")
+    assert result.returncode != 0
+    assert result.stderr.count("error: train.global_batch_size: 6 is not a multiple") == 1, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr.split("error: train.global_batch_size", 1)[0], result.stderr[-2000:]
