@@ -44,11 +44,15 @@ def report(err: BaseException) -> None:
 
 def says_it_once(err: BaseException) -> bool:
     """Whether this process prints ``err``: a config error is the same on every rank of a launch (the same config and
-    world), so under torchrun only each node's local rank 0 says it, not once per GPU; every other error is said by
-    every rank that meets it."""
+    world), so under torchrun or srun only each node's local rank 0 says it, not once per GPU; every other error is
+    said by every rank that meets it."""
     from bridge_cli.config.errors import ConfigError
 
-    return not isinstance(err, ConfigError) or os.environ.get("LOCAL_RANK", "0") == "0"
+    if not isinstance(err, ConfigError):
+        return True
+    env = os.environ  # the launcher's word for this process's rank on its node, as runtime/distributed.py reads it
+    local_rank = env.get("LOCAL_RANK") if "RANK" in env else env.get("SLURM_LOCALID") if "SLURM_PROCID" in env else None
+    return local_rank in (None, "0")
 
 
 def handles_user_errors(command: Callable) -> Callable:

@@ -116,3 +116,22 @@ def test_import_checks_an_expert_parallel_recipe_at_a_world_its_layout_fits():
     dense = SimpleNamespace(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, context_parallel_size=1,
                             expert_tensor_parallel_size=None, expert_model_parallel_size=1)
     assert _fitting_world(dense, 4) == 4
+
+
+@pytest.mark.parametrize("env, says", [
+    ({}, True),  # one process
+    ({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "3"}, False),  # torchrun
+    ({"RANK": "4", "WORLD_SIZE": "8", "LOCAL_RANK": "0"}, True),  # torchrun, a second node's first rank
+    ({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1"}, False),  # srun
+    ({"SLURM_PROCID": "4", "SLURM_NTASKS": "8", "SLURM_LOCALID": "0"}, True),
+])
+def test_a_config_error_is_said_by_each_nodes_first_rank(monkeypatch, env, says):
+    from bridge_cli.cli.errors import says_it_once
+    from bridge_cli.config.errors import ConfigError
+
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert says_it_once(ConfigError("train.bad", "unknown key.")) is says
+    assert says_it_once(RuntimeError("out of memory")) is True  # other errors: every rank that meets them
