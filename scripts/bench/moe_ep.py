@@ -65,11 +65,12 @@ def run(argv: list[str]) -> tuple[str, float, float]:
         sys.exit(f"moe_ep.py stops: {failure}")
 
 
-def summary(out: str, warmup: int = 3) -> dict:
+def summary(out: str, warmup: int = 3, loss: re.Pattern = LOSS) -> dict:
+    """A run's log read: ``loss`` finds each iteration's loss (default: lm loss)."""
     rows = [(float(ms), float(tf)) for i, ms, tf in ITER_LINE.findall(out) if int(i) > warmup]
     tokens = [float(t.replace(",", "")) for i, t in TOKENS.findall(out) if int(i) > warmup]
     peak = PEAK.search(out)
-    return {"losses": {int(i): float(x) for i, x in LOSS.findall(out)},
+    return {"losses": {int(i): float(x) for i, x in loss.findall(out)},
             "tokens": statistics.median(tokens) if tokens else float("nan"),
             "step_ms": statistics.median(ms for ms, _ in rows) if rows else float("nan"),
             "tflops": statistics.median(tf for _, tf in rows) if rows else float("nan"),

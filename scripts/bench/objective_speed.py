@@ -125,10 +125,9 @@ def finetune(a, recipe: str, objective: list[str], data: Path, base: Path, *extr
 
 def measure(args: list[str], warmup: int) -> dict:
     try:
-        out = bridge("finetune", *args)
+        return summary(bridge("finetune", *args), warmup, loss=OBJECTIVE_LOSS)
     except RunFailed as failure:
         return {"error": str(failure)}
-    return {**summary(out, warmup), "losses": {int(i): float(x) for i, x in OBJECTIVE_LOSS.findall(out)}}
 
 
 def row(name: str, r: dict) -> None:
