@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import os
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
@@ -36,7 +35,9 @@ GpuMemory = Annotated[Optional[float], typer.Option(
 
 
 def is_rank_zero() -> bool:
-    return os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"
+    from bridge_cli.runtime.launch_env import rank
+
+    return rank() == 0
 
 
 def load_config(overrides: list[str] | None, recipes_dir: list[Path] | None, world_size: int | None = None,

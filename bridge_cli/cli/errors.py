@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import os
 import sys
 from typing import Callable
 
@@ -47,12 +46,9 @@ def says_it_once(err: BaseException) -> bool:
     world), so under torchrun or srun only each node's local rank 0 says it, not once per GPU; every other error is
     said by every rank that meets it."""
     from bridge_cli.config.errors import ConfigError
+    from bridge_cli.runtime.launch_env import local_rank
 
-    if not isinstance(err, ConfigError):
-        return True
-    env = os.environ  # the launcher's word for this process's rank on its node, as runtime/distributed.py reads it
-    local_rank = env.get("LOCAL_RANK") if "RANK" in env else env.get("SLURM_LOCALID") if "SLURM_PROCID" in env else None
-    return local_rank in (None, "0")
+    return not isinstance(err, ConfigError) or local_rank() == 0
 
 
 def handles_user_errors(command: Callable) -> Callable:

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from bridge_cli.runtime.errors import RuntimeUnavailable
+from bridge_cli.runtime.launch_env import launcher, local_rank, rank
 
 
 @dataclass(frozen=True)
@@ -132,22 +133,23 @@ def _resolve_backend(backend: str, is_cuda: bool) -> str:
 
 def _detect_launch() -> _Launch:
     env = os.environ
-    if "RANK" in env and "WORLD_SIZE" in env:
+    kind = launcher(env)
+    if kind == "torchrun":
         return _Launch(
-            rank=int(env["RANK"]),
+            rank=rank(env),
             world_size=int(env["WORLD_SIZE"]),
-            local_rank=int(env.get("LOCAL_RANK", 0)),
+            local_rank=local_rank(env),
             master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
             master_port=int(env.get("MASTER_PORT", 29500)),
         )
-    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+    if kind == "srun":
         nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST", "127.0.0.1")
         # Every task must agree on the port without talking, so derive it from the job id.
         default_port = 20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000
         return _Launch(
-            rank=int(env["SLURM_PROCID"]),
+            rank=rank(env),
             world_size=int(env["SLURM_NTASKS"]),
-            local_rank=int(env.get("SLURM_LOCALID", 0)),
+            local_rank=local_rank(env),
             master_addr=env.get("MASTER_ADDR") or _first_slurm_host(nodelist),
             master_port=int(env.get("MASTER_PORT", default_port)),
         )
