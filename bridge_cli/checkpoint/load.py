@@ -31,7 +31,7 @@ from bridge_cli.checkpoint import distributed_optimizer, layout, optimizer_by_na
 from bridge_cli.checkpoint.adapters import AdapterPolicy
 from bridge_cli.checkpoint.errors import CheckpointError
 from bridge_cli.checkpoint.save import NON_PERSISTENT
-from bridge_cli.runtime.fsdp import load_model_state, restore_sharded_optimizer_state
+from bridge_cli.runtime.fsdp import load_model_state, restore_sharded_optimizer_state, shard_saved_main_weights
 
 
 @dataclass
@@ -383,6 +383,7 @@ def _load_optimizer(optimizer, saved, state, sharding: Optional[str] = None) -> 
     if state.cfg.optimizer.use_distributed_optimizer and distributed_optimizer.reshards(sharding):
         distributed_optimizer.load(optimizer, saved)
     else:
+        shard_saved_main_weights(optimizer, saved)  # FSDP2's fp32 main weights are DTensors, the saved ones shards
         optimizer.load_state_dict(saved)
     restore_sharded_optimizer_state(optimizer)  # FSDP2's moments are DTensors like its weights
     # With torch's Adam, megatron-core's DistributedOptimizer saves the step count in each param

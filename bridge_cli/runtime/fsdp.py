@@ -365,6 +365,32 @@ def restore_sharded_optimizer_state(optimizer) -> None:
                                                     shape=param.shape, stride=param.stride())
 
 
+def shard_saved_main_weights(optimizer, saved) -> None:
+    """Before megatron-core's ``optimizer.load_state_dict(saved)`` under FSDP2 with bf16 weights: its mixed-precision
+    optimizer's fp32 main weights are DTensors (copies of FSDP2's bf16 DTensors), the checkpoint hands back each
+    one's local shard, and the load copies ``current.data.copy_(saved.data)``, which mixes the two and fails ("got
+    mixed torch.Tensor and DTensor"). Each saved shard becomes a DTensor of its main weight's mesh and placements,
+    the shard itself (no copy). ``saved`` is what ``load_state_dict`` takes: one member's dict, or one per member of
+    a chained optimizer. Nothing to do without FSDP2 or with fp32 weights (no main copies)."""
+    from torch.distributed.tensor import DTensor
+
+    members = getattr(optimizer, "chained_optimizers", [optimizer])
+    if len(members) == 1:
+        states = [saved]
+    else:  # megatron-core's ChainedOptimizer reads a dict of them in its keys' order
+        states = [v for _, v in sorted(saved.items())] if isinstance(saved, dict) else list(saved)
+    for member, member_state in zip(members, states):
+        groups = getattr(member, "fp32_from_float16_groups", None)
+        key = next((k for k in ("fp32_from_fp16_params", "fp32_from_fp16") if k in member_state), None)
+        if not groups or key is None:
+            continue
+        for current_group, saved_group in zip(groups, member_state[key]):
+            for i, (current, value) in enumerate(zip(current_group, saved_group)):
+                if isinstance(current, DTensor) and not isinstance(value, DTensor):
+                    saved_group[i] = DTensor.from_local(value, current.device_mesh, current.placements,
+                                                        run_check=False, shape=current.shape, stride=current.stride())
+
+
 def fix_gated_linear_shards(chunk, sharded: dict) -> None:
     """Make a gated MLP's fc1 checkpoint the same under FSDP2 as without it, in place of megatron-core's entry.
 

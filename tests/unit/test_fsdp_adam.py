@@ -131,3 +131,31 @@ def test_gradients_of_another_optimizer_are_still_scaled_in_place(mesh):
     grads = [p.grad.to_local().detach() for p in params(ours)] + [other]
     multi_tensor_scale(2048 * 32, None, [grads, grads], 0.5)
     torch.testing.assert_close(other, expected, rtol=0, atol=0)
+
+
+def test_megatron_cores_mixed_precision_optimizer_loads_saved_main_weight_shards_into_its_dtensors(mesh):
+    """A bf16 run under FSDP2 resumed (the GPU test's Triton Adam resume failed here): megatron-core's
+    Float16OptimizerWithFloat16Params holds fp32 main weights as DTensors, the checkpoint hands back their local
+    shards, and its load copies one into the other. Built without its constructor, which needs CUDA weights; the
+    load is megatron-core's own."""
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+
+    from bridge_cli.runtime.fsdp import local_shard, shard_saved_main_weights
+
+    _, adam = twins(mesh)
+    for group in adam.param_groups:  # the keys megatron-core matches a checkpoint's groups by
+        group.update(wd_mult=float(group["weight_decay"] > 0), lr_mult=1.0, is_expert_parallel=False,
+                     is_decoupled_lr=False)
+    set_grads(adam, 0)
+    adam.step()
+    member = object.__new__(Float16OptimizerWithFloat16Params)
+    member.optimizer, member.grad_scaler, member.config = adam, None, SimpleNamespace(fp16=False)
+    member.fp32_from_float16_groups = [list(group["params"]) for group in adam.param_groups]
+    expected = [[local_shard(p).clone() + 1 for p in group] for group in member.fp32_from_float16_groups]
+    saved = {"optimizer": adam.state_dict(), "fp32_from_fp16_params": [[t.clone() for t in g] for g in expected]}
+    shard_saved_main_weights(member, saved)
+    member.load_state_dict(saved)
+    for group, values in zip(member.fp32_from_float16_groups, expected):
+        for main, value in zip(group, values):
+            assert isinstance(main, DTensor)
+            assert torch.equal(local_shard(main), value)
