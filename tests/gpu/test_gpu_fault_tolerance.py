@@ -11,14 +11,17 @@ process of it, and the test fails with the tail of its output.
 
 Each case runs the uninterrupted run first (module fixture: about 35 s), then its own launch under ft_launcher:
 start-up (about 18 s), the fault a third into training, the hang seen (the computed step timeout, a few seconds, or
-the out-of-section timeout, 10 s), the workers stopped (a hung rank is SIGSTOPped, so it waits for ft_launcher's
---workers-stop-timeout, 15 s, and SIGKILL), nvidia-resiliency-ext 0.7's wait for the GPUs' memory to be freed
-(up to 50 s: it reads NVML's GPUs 0 and 1, whatever CUDA_VISIBLE_DEVICES says, so another job on those makes it
-wait the whole 50 s), the new workers' start-up and the rest of the 100 steps. Both cases in one command take
-about 4.5 min and at most 12, past the device machine's 10-minute command limit: run them one at a time.
+the out-of-section timeout, 10 s), the workers stopped (a hung rank's monitor sends it SIGCONT and SIGKILL itself; a
+rank that outlives the launcher's SIGTERM, as one does here since the run catches it as the Slurm template's does, is
+killed after --workers-stop-timeout, 5 s as in the template), nvidia-resiliency-ext 0.7's wait for the GPUs' memory
+to be freed (up to 50 s: it reads NVML's GPUs 0 and 1, whatever CUDA_VISIBLE_DEVICES says, and counts any process's
+memory), the new workers' start-up and the rest of the 100 steps. Run nothing else on those GPUs meanwhile: on
+2026-11-27 another GPU test beside the hung case held them, and the restart waited 37 s for its memory. Both cases in
+one command take about 4.5 min and at most 12, past the device machine's 10-minute command limit: run them one at a
+time.
 
-The killed case passed on 2 H100s with a restart of about 48 s; the hung case is not run to its end yet
-(docs/resilience.md#not-tested-yet)."""
+Both cases passed on 2 H100s (nvidia-resiliency-ext 0.7.0): the killed one with about 48 s from the fault to the
+new workers' first step, the hung one with 64 s, 37 of them that wait (docs/resilience.md)."""
 
 from __future__ import annotations
 
@@ -44,7 +47,12 @@ pytestmark = [pytest.mark.gpu, pytest.mark.slow,
 # A GPU step of `tiny` takes milliseconds, so the CPU test's 10x computed step timeout would be a fraction of a
 # second, which a garbage collection can pass; 50x keeps it at a few seconds, and the hang is seen in those.
 # Until 16 steps were timed the launcher's own step timeout holds: 30 s, not 180, for a hang that comes early.
-GPU_LAUNCHER = [*(arg.replace("step:180", "step:30") for arg in LAUNCHER), "--ft-safety-factor=50"]
+# --workers-stop-timeout and the exit signal handler as scripts/slurm/ft_multi_node.sbatch has them (common.sh adds the
+# handler to every template): the surviving rank of the killed case takes the launcher's SIGTERM as "save after this
+# step", sits in a collective with the dead rank, and is SIGKILLed after the timeout, as it is under Slurm.
+GPU_LAUNCHER = [*(arg.replace("step:180", "step:30") for arg in LAUNCHER), "--ft-safety-factor=50",
+                "--workers-stop-timeout=5"]
+AS_UNDER_SLURM = "train.exit_signal_handler=true"
 # 8 micro-batches a step, not 1: a GPU step of `tiny` is bound by its kernel launches, so this makes it about 8
 # times as long, and 100 iterations with 20 saves last several seconds: the fault lands well inside them
 LONGER_STEPS = "train.global_batch_size=64"
@@ -57,6 +65,10 @@ UNINTERRUPTED_SECONDS = 120
 FAULTY_SECONDS = 300
 """The limit of a run under ft_launcher with its fault and restart (about 80 to 130 s; see above)."""
 SEEN = re.compile(r"failed \(exitcode: -?\d+\) local_rank|" + HANG.pattern)  # the launcher's line, or a monitor's
+STOPPING = re.compile(r"Stopping workers\.\.\. Timeout = (\S+) sec")
+REJOINING = re.compile(r"attempts to join the next round of the rendezvous")
+RECLAIMED = re.compile(r"GPU \d+ memory reclaimed in \d+s|Timeout waiting for GPU memory to be reclaimed after \S+s")
+"""nvidia-resiliency-ext 0.7's report of its wait for the GPUs' memory, after the workers are stopped."""
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +137,7 @@ def faulty_run(root: Path, seconds: float, kind: str, rank: int) -> tuple[str, S
              f"ft.simulated_fault_type={kind}", f"ft.simulated_fault_rank={rank}"]
     log_path = root.parent / f"{root.name}.log"
     command = [*GPU_LAUNCHER, "-m", "bridge_cli", "pretrain", *ARGS, f"checkpoint.save={root}", LONGER_STEPS, *FT,
-               *fault]
+               AS_UNDER_SLURM, *fault]
     with StampedLog(log_path) as log:
         result = run_within(FAULTY_SECONDS, command, log_path, env=FRESH)
     assert result.returncode == 0, result.stdout[-5000:]
@@ -140,11 +152,16 @@ def report_restart_cost(kind: str, out: str, log: StampedLog) -> None:
     first_step = log.after(LOSS, loaded + 1)
     before = out.split(log.lines[fault][1], 1)[0]
     resumed_at = int(RESUMED.search(log.lines[loaded][1]).group(1))
+    stopping = log.after(STOPPING, seen)
+    rejoining = log.after(REJOINING, stopping + 1)
+    reclaimed = [m.group(0) for _, line in log.lines[stopping:rejoining] if (m := RECLAIMED.search(line))]
     print(f"\nrestart cost on 2 GPUs ({kind}): from the fault {log.lines[seen][0] - fault_at:.2f} s to the launcher "
           f"or a monitor seeing it, {log.lines[loaded][0] - fault_at:.2f} s to the new workers' checkpoint loaded "
           f"(iteration {resumed_at}), {log.lines[first_step][0] - fault_at:.2f} s to their first step; "
-          f"{max(losses(before)) - resumed_at} iterations redone. {TIMEOUTS_LINE.findall(before)[-1]}. The new "
-          f"workers' {START_UP.findall(out)[-1]}")
+          f"{max(losses(before)) - resumed_at} iterations redone. Stopping the workers took "
+          f"{log.lines[rejoining][0] - log.lines[stopping][0]:.2f} s (--workers-stop-timeout "
+          f"{STOPPING.search(log.lines[stopping][1]).group(1)} s{''.join(f'; {r}' for r in reclaimed)}). "
+          f"{TIMEOUTS_LINE.findall(before)[-1]}. The new workers' {START_UP.findall(out)[-1]}")
 
 
 def same_losses(out: str, uninterrupted: dict[int, str]) -> None:

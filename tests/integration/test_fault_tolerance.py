@@ -160,6 +160,8 @@ def test_the_slurm_template_restarts_both_nodes_after_a_fault(tmp_path):
     assert result.returncode == 0, out[-5000:]
     assert len(FAULT_LINE.findall(out)) == 1 and "data-parallel groups: [0,1]" in out, out[-5000:]
     assert len(re.findall(r"has joined round 1 of the rendezvous", out)) == 2, out[-3000:]  # both nodes restarted
+    # each node's launcher stops its workers with the template's 5 s between SIGTERM and SIGKILL, not its own 15 or 30 s
+    assert re.findall(r"Stopping workers\.\.\. Timeout = (\S+) sec", out) == ["5.0", "5.0"], out[-3000:]
     printed = LOSS.findall(out)
     assert max(int(i) for i, _ in printed) == 60, out[-3000:]
     again = {}  # iterations run before the fault and again after the restart
