@@ -1,4 +1,5 @@
-"""Three fixes to megatron-core's MoE code: two applied before an MoE model is built, one after its cast to bf16.
+"""Four fixes to megatron-core's MoE code: two applied before an MoE model is built, one after its cast to bf16,
+one before its layers compile.
 
 ``define_missing_te_names``: megatron-core 0.16 imports ``te_general_gemm`` into ``moe.moe_utils``
 only when Transformer Engine imports, yet the router's gating GEMM reads it unconditionally
@@ -17,6 +18,14 @@ casting it back at the start of every router forward, after ``Float16Module`` ca
 weights. Under ``model.compile_layers`` that first forward assigns ``.data`` inside the compiled layer:
 a graph break in every MoE layer (seen on an H100 with megatron-core 0.19.2, DeepSeek-V3's routing).
 Casting it once right after ``Float16Module`` does what that forward does, before anything is compiled.
+
+``number_routers_by_tensor``: each router records its layer's auxiliary losses in megatron-core's tracker at
+``values[layer_number - 1]``, ``layer_number`` an int attribute of the router, which ``torch.compile`` reads as a
+constant and guards on. Under ``model.compile_layers`` every MoE layer then compiled a graph of its own (on 4 H100s
+with megatron-core 0.19.2, the 8-layer MoE proxy's first step spent about 5 s compiling each layer) instead of all
+layers sharing one, and past dynamo's recompile limit (8 a function) the layers beyond it ran eager. A 0-d tensor on
+the router's device in its place indexes the same entry (``values[t] += loss``) as a graph input, the same for every
+layer.
 """
 
 from __future__ import annotations
@@ -70,3 +79,23 @@ def keep_router_biases_in_fp32(chunks: list) -> None:
             keep = getattr(module, "_maintain_float32_expert_bias", None) if isinstance(module, Router) else None
             if keep is not None:  # megatron-core's TopKRouter
                 keep()
+
+
+def number_routers_by_tensor(chunks: list) -> None:
+    """Each megatron-core router's ``layer_number`` as a 0-d int64 tensor on its device (before compiling the layers),
+    so that recording its auxiliary losses does not tie a compiled graph to one layer; and megatron-core 0.19's
+    metrics tracker made now, not inside the first compiled layer (another recompile)."""
+    from megatron.core.transformer.moe.router import Router
+
+    try:
+        from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker  # megatron-core 0.19
+    except ImportError:  # before it: a module-level dict that exists from import
+        pass
+    else:
+        get_moe_metrics_tracker()
+    for chunk in chunks:
+        for module in chunk.modules():
+            number = getattr(module, "layer_number", None) if isinstance(module, Router) else None
+            if isinstance(number, int):
+                device = next(module.parameters()).device
+                module.layer_number = torch.tensor([number], dtype=torch.int64, device=device)

@@ -34,6 +34,9 @@ def compile_layers(chunks: list) -> None:
     from megatron.core.tensor_parallel import layers
 
     layers.linear_with_grad_accumulation_and_async_allreduce.warned = True
+    from bridge_cli.models.moe_compat import number_routers_by_tensor
+
+    number_routers_by_tensor(chunks)  # one graph for every MoE layer, whose routers record their losses by layer
     for chunk in chunks:
         for module in chunk.modules():
             if isinstance(module, TransformerLayer):

@@ -3,6 +3,8 @@ time, and a function that ``torch.compile`` traces whole), and the expert bias b
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -67,3 +69,86 @@ def test_the_expert_bias_is_fp32_before_the_first_forward_after_the_bf16_cast(on
     keep_router_biases_in_fp32([model])
     biases = [m.expert_bias for m in model.modules() if getattr(m, "expert_bias", None) is not None]
     assert biases and all(b.dtype == torch.float32 for b in biases)
+
+
+
+class RecompileReasons(logging.Handler):
+    """dynamo's recompilation messages (which guard failed) while it is installed."""
+
+    def __enter__(self):
+        self.messages: list[str] = []
+        torch._logging.set_logs(recompiles=True)
+        logging.getLogger("torch._dynamo.guards.__recompiles").addHandler(self)
+        return self
+
+    def __exit__(self, *_):
+        logging.getLogger("torch._dynamo.guards.__recompiles").removeHandler(self)
+        torch._logging.set_logs()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def recompiles_and_losses(numbered_by_tensor: bool) -> tuple[list[str], torch.Tensor]:
+    """Compile each layer of a 3-layer MoE model (dynamo with its eager backend, no inductor), run one training
+    forward; dynamo's recompilation messages, and the load-balancing losses the routers recorded, one per layer
+    (megatron-core's tracker)."""
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    from bridge_cli.models.moe_compat import number_routers_by_tensor
+    from bridge_cli.models.provider import GPTModelProvider
+
+    model_parallel_cuda_manual_seed(0)
+    config = GPTModelProvider(
+        num_layers=3, hidden_size=64, num_attention_heads=4, vocab_size=128, seq_length=16, spec="torch",
+        normalization="RMSNorm", add_bias_linear=False, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32,
+        moe_grouped_gemm=True, moe_token_dispatcher_type="alltoall", moe_router_load_balancing_type="aux_loss",
+        moe_aux_loss_coeff=1e-2)
+    model = config.provide().train()
+    if numbered_by_tensor:
+        number_routers_by_tensor([model])
+    torch._dynamo.reset()
+    for module in model.modules():
+        if isinstance(module, TransformerLayer):
+            module.compile(backend="eager", dynamic=False)
+    tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    clear_tracker()
+    with RecompileReasons() as reasons:
+        model(tokens, torch.arange(16).expand(2, 16), None)
+    return reasons.messages, tracked_values("load_balancing_loss")
+
+
+def clear_tracker() -> None:
+    try:  # megatron-core 0.19
+        from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
+    except ImportError:
+        from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+        get_moe_layer_wise_logging_tracker().clear()
+    else:
+        destroy_moe_metrics_tracker()
+
+
+def tracked_values(name: str) -> torch.Tensor:
+    try:
+        from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+    except ImportError:
+        from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+        return get_moe_layer_wise_logging_tracker()[name]["values"].clone()
+    return get_moe_metrics_tracker().metrics[name].values.clone()
+
+
+@pytest.mark.slow  # compiles on the CPU (dynamo only)
+def test_compiled_moe_layers_do_not_recompile_per_layer_and_still_record_each_layers_loss(one_process):
+    """A router's int layer number, read by megatron-core's tracker inside the compiled layer, made every MoE layer
+    compile graphs of its own (on the GPU, megatron-core 0.19.2: one compile per layer of the MoE proxy); numbered
+    by a tensor, no recompilation comes from it, and each layer's load-balancing loss lands in its own entry as
+    before. (The CPU's grouped GEMM recompiles for its token counts either way, which the GPU's does not.)"""
+    plain, expected = recompiles_and_losses(numbered_by_tensor=False)
+    numbered, found = recompiles_and_losses(numbered_by_tensor=True)
+    assert any("layer_number ==" in m for m in plain), plain  # megatron-core's own
+    assert not any("layer_number" in m for m in numbered), numbered
+    assert found.shape == (3,) and bool((found > 0).all()), found
+    torch.testing.assert_close(found, expected)
