@@ -53,7 +53,10 @@ class DistributedInitConfig:
     """Order ranks tp-pp-dp instead of tp-dp-pp; do not combine with EP or CP."""
 
     use_gloo_process_groups: bool = True
-    """Create Gloo process groups alongside NCCL ones."""
+    """Have megatron-core make gloo copies of its data-parallel groups beside the main ones; the distributed
+    optimizer's ``checkpoint.distrib_optim_fully_reshardable_mem_efficient`` saves gather over them. false: fewer
+    groups to set up at launch (each gloo group connects its ranks over TCP), as Megatron-LM's
+    ``--disable-gloo-process-groups``."""
 
     use_sharp: bool = False
     """Use SHARP for data-parallel collectives (runs a barrier in each DP group to set SHARP targets)."""

@@ -31,6 +31,8 @@ class Runtime:
     world_size: int
     local_rank: int
     is_cuda: bool
+    gloo_groups: bool = True
+    """Whether megatron-core made its gloo process groups beside the main ones (``dist.use_gloo_process_groups``)."""
 
 
 @dataclass(frozen=True)
@@ -52,11 +54,13 @@ def init_distributed(
     virtual_pipeline_model_parallel_size: int | None = None,
     expert_tensor_parallel_size: int | None = None,
     pipeline_model_parallel_comm_backend: str | None = None,
+    gloo_groups: bool = True,
 ) -> Runtime:
     """Join the process group and build megatron-core's parallel groups.
 
     ``backend`` is ``nccl``, ``gloo`` or ``auto`` (NCCL with CUDA, else gloo). Calling it again
-    in the same process reuses the process group and rebuilds the parallel groups.
+    in the same process reuses the process group and rebuilds the parallel groups. ``gloo_groups``: megatron-core's
+    gloo copies of its data-parallel groups too (``dist.use_gloo_process_groups``).
     """
     from megatron.core import parallel_state
 
@@ -100,6 +104,7 @@ def init_distributed(
         expert_tensor_parallel_size=expert_tensor_parallel_size,
         distributed_timeout_minutes=timeout_minutes,
         pipeline_model_parallel_comm_backend=pipeline_model_parallel_comm_backend,
+        create_gloo_process_groups=gloo_groups,
     )
     return Runtime(
         device=device,
@@ -108,6 +113,7 @@ def init_distributed(
         world_size=launch.world_size,
         local_rank=launch.local_rank,
         is_cuda=is_cuda,
+        gloo_groups=gloo_groups,
     )
 
 

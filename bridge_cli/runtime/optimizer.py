@@ -37,7 +37,7 @@ def build_optimizer(
 
     if runtime.is_cuda:
         use_foreach_clip_grads()
-        optimizer = get_megatron_optimizer(optimizer_config, model_chunks)
+        optimizer = get_megatron_optimizer(optimizer_config, model_chunks, use_gloo_process_groups=runtime.gloo_groups)
         apply_adam_kernel_choice(optimizer, optimizer_config, runtime.is_cuda)
         return optimizer
 
@@ -45,7 +45,7 @@ def build_optimizer(
     from bridge_cli.runtime.cpu_patches import apply_cpu_patches
 
     apply_cpu_patches()
-    optimizer = get_megatron_optimizer(optimizer_config, model_chunks)
+    optimizer = get_megatron_optimizer(optimizer_config, model_chunks, use_gloo_process_groups=runtime.gloo_groups)
     members = getattr(optimizer, "chained_optimizers", [optimizer])
     if not all(isinstance(opt, (CPUChainedOptimizer, CPUFP32Optimizer)) for opt in members):
         raise RuntimeUnavailable(

@@ -218,6 +218,7 @@ def initialize(state: GlobalState):
         expert_tensor_parallel_size=m.expert_tensor_parallel_size,
         virtual_pipeline_model_parallel_size=m.virtual_pipeline_model_parallel_size,
         pipeline_model_parallel_comm_backend=m.pipeline_model_parallel_comm_backend,
+        gloo_groups=cfg.dist.use_gloo_process_groups,
     )
     state.runtime = runtime
     derived = cfg.validate(runtime.world_size, runtime.device.type)

@@ -117,6 +117,7 @@ def validate_and_derive(cfg, world_size: int, device: str, previous: Optional[De
     _check_scheduler_fields_unset(cfg.scheduler)
     _check_precision(cfg)
     _check_rerun_mode(cfg)
+    _check_gloo_groups(cfg)
     check_objective(cfg)
     check_fsdp(cfg, device)  # before the device table: Megatron-FSDP's own reason beats its optimizer's
     check_device(cfg, device)
@@ -235,6 +236,15 @@ def _check_exit_signal(train) -> None:
     if train.exit_signal in (signal.SIGKILL, signal.SIGSTOP):
         raise ConfigError("train.exit_signal", f"{signal.Signals(train.exit_signal).name} cannot be caught.",
                           "Use e.g. 15 (SIGTERM) or 10 (SIGUSR1).")
+
+
+def _check_gloo_groups(cfg) -> None:
+    if not cfg.dist.use_gloo_process_groups and cfg.checkpoint.distrib_optim_fully_reshardable_mem_efficient:
+        raise ConfigError("dist.use_gloo_process_groups",
+                          "is false, and checkpoint.distrib_optim_fully_reshardable_mem_efficient=true gathers the "
+                          "optimizer state over megatron-core's gloo groups.",
+                          "Set dist.use_gloo_process_groups=true, or "
+                          "checkpoint.distrib_optim_fully_reshardable_mem_efficient=false.")
 
 
 def _check_scheduler_fields_unset(scheduler) -> None:

@@ -32,7 +32,8 @@ def allow_the_distributed_optimizer_on_the_cpu() -> None:
     device_rules.CUDA_ONLY = tuple(rule for rule in device_rules.CUDA_ONLY
                                    if rule[0] != "optimizer.use_distributed_optimizer=true")
     # bridge's CPU build refuses members other than its CPU wrappers; megatron-core's own build is the GPU one's
-    bridge_optimizer.build_optimizer = lambda config, chunks, runtime: get_megatron_optimizer(config, chunks)
+    bridge_optimizer.build_optimizer = lambda config, chunks, runtime: get_megatron_optimizer(
+        config, chunks, use_gloo_process_groups=runtime.gloo_groups)
 
 
 if __name__ == "__main__":
