@@ -108,7 +108,7 @@ def test_compiled_moe_layer_keeps_the_overlap(tmp_path, chunks, main_grad):
         assert rank["graph_break_files"] == [], rank["graph_break_files"]
         assert all(found["relative"] < 1e-4 for found in rank["outputs"].values()), rank["outputs"]
         assert all(found["relative"] < 1e-2 for found in rank["grads"].values()), rank["grads"]
-        assert len(rank["forward"]) == 2 and len(rank["backward"]) >= 1  # one forward code a layer (layer_number)
+        assert len(rank["forward"]) == 1 and len(rank["backward"]) >= 1  # one forward code for both layers
         for forward in rank["forward"]:
             assert overlapped(forward, gemms=2) == {"gather": chunks - 1, "scatter": chunks - 1}, forward
         for backward in rank["backward"]:
