@@ -47,7 +47,9 @@ class DistributedInitConfig:
     """Use torch FSDP2 (experimental; does not work with pipeline parallelism)."""
 
     nccl_communicator_config_path: Optional[str] = None
-    """YAML file with per-communicator NCCL settings (min_ctas, max_ctas, cga_cluster_size)."""
+    """A YAML file of NCCL settings per megatron-core process group (``dp_cp: {max_ctas: 8}``: ``cga_cluster_size``,
+    ``max_ctas``, ``min_ctas``, ``net_name``, ``is_high_priority_stream``), applied as each group is created; the
+    names and settings are checked (bridge_cli/runtime/nccl_groups.py). NCCL only."""
 
     use_tp_pp_dp_mapping: bool = False
     """Order ranks tp-pp-dp instead of tp-dp-pp; do not combine with EP or CP."""
@@ -62,7 +64,8 @@ class DistributedInitConfig:
     """Use SHARP for data-parallel collectives (runs a barrier in each DP group to set SHARP targets)."""
 
     high_priority_stream_groups: Optional[list[str]] = None
-    """Communicator groups whose streams get high priority, to reduce exposed communication."""
+    """megatron-core process groups (e.g. ``[dp_cp, ep]``) whose NCCL streams get high priority, so that their
+    collectives start ahead of compute they overlap. NCCL only."""
 
     external_gpu_device_mapping: bool = False
     """GPU visibility is managed externally (e.g. CUDA_VISIBLE_DEVICES): use device 0, not local_rank."""

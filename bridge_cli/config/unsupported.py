@@ -53,10 +53,8 @@ REFUSED: dict[str, Refused] = {k: Refused(v) for k, v in {
     "dist.local_rank": "each process takes its local rank (its GPU) from its launcher: torchrun's LOCAL_RANK or "
                        "Slurm's SLURM_LOCALID.",
     "dist.lazy_init": "DDP is always initialized by bridge.",
-    "dist.nccl_communicator_config_path": "per-communicator NCCL settings are not passed to megatron-core yet.",
     "dist.use_tp_pp_dp_mapping": "ranks are always ordered tp-cp-ep-dp-pp (megatron-core's default).",
     "dist.use_sharp": "SHARP is not set up by bridge.",
-    "dist.high_priority_stream_groups": "stream priorities are not passed to megatron-core yet.",
     "dist.external_gpu_device_mapping": "each rank uses the GPU of its LOCAL_RANK.",
     "dist.enable_megatron_core_experimental": "megatron-core's experimental features are not enabled by bridge.",
     "dataset.data_sharding": "data is always sharded across data-parallel ranks.",

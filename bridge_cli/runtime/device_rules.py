@@ -33,6 +33,11 @@ CUDA_ONLY: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("profiling.record_memory_history=true", lambda c: c.profiling is not None and c.profiling.record_memory_history,
      "profiling.record_memory_history=false"),
     ("dist.distributed_backend=nccl", lambda c: c.dist.distributed_backend == "nccl", "dist.distributed_backend=gloo"),
+    # megatron-core builds each setting into torch's ProcessGroupNCCL.Options
+    ("dist.nccl_communicator_config_path", lambda c: c.dist.nccl_communicator_config_path is not None,
+     "dist.nccl_communicator_config_path=null"),
+    ("dist.high_priority_stream_groups", lambda c: bool(c.dist.high_priority_stream_groups),
+     "dist.high_priority_stream_groups=null"),
     ("straggler.log_straggler=true", lambda c: c.straggler is not None and c.straggler.log_straggler,
      "straggler.log_straggler=false"),
     # NVRx's detector scores GPUs by the CUDA kernels it times with CUPTI: there are none on the CPU

@@ -55,12 +55,15 @@ def init_distributed(
     expert_tensor_parallel_size: int | None = None,
     pipeline_model_parallel_comm_backend: str | None = None,
     gloo_groups: bool = True,
+    nccl_settings_path: str | None = None,
+    high_priority_stream_groups: list[str] | None = None,
 ) -> Runtime:
     """Join the process group and build megatron-core's parallel groups.
 
     ``backend`` is ``nccl``, ``gloo`` or ``auto`` (NCCL with CUDA, else gloo). Calling it again
     in the same process reuses the process group and rebuilds the parallel groups. ``gloo_groups``: megatron-core's
-    gloo copies of its data-parallel groups too (``dist.use_gloo_process_groups``).
+    gloo copies of its data-parallel groups too (``dist.use_gloo_process_groups``); ``nccl_settings_path`` and
+    ``high_priority_stream_groups``: NCCL settings per group (runtime/nccl_groups.py).
     """
     from megatron.core import parallel_state
 
@@ -105,6 +108,8 @@ def init_distributed(
         distributed_timeout_minutes=timeout_minutes,
         pipeline_model_parallel_comm_backend=pipeline_model_parallel_comm_backend,
         create_gloo_process_groups=gloo_groups,
+        nccl_communicator_config_path=nccl_settings_path,
+        high_priority_stream_groups=high_priority_stream_groups,
     )
     return Runtime(
         device=device,

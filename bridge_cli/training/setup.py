@@ -219,6 +219,8 @@ def initialize(state: GlobalState):
         virtual_pipeline_model_parallel_size=m.virtual_pipeline_model_parallel_size,
         pipeline_model_parallel_comm_backend=m.pipeline_model_parallel_comm_backend,
         gloo_groups=cfg.dist.use_gloo_process_groups,
+        nccl_settings_path=cfg.dist.nccl_communicator_config_path,
+        high_priority_stream_groups=cfg.dist.high_priority_stream_groups,
     )
     state.runtime = runtime
     derived = cfg.validate(runtime.world_size, runtime.device.type)

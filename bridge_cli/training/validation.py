@@ -33,6 +33,7 @@ from bridge_cli.config.data_configs import FinetuningDatasetConfig
 from bridge_cli.runtime.device_rules import check_device, default_device
 from bridge_cli.runtime.fsdp import check_fsdp
 from bridge_cli.runtime.launcher_fields import check_launcher_fields
+from bridge_cli.runtime.nccl_groups import check_nccl_groups
 from bridge_cli.runtime.mcore_import import megatron_core_version
 from bridge_cli.runtime.output_paths import check_output_folders
 
@@ -118,6 +119,7 @@ def validate_and_derive(cfg, world_size: int, device: str, previous: Optional[De
     _check_precision(cfg)
     _check_rerun_mode(cfg)
     _check_gloo_groups(cfg)
+    check_nccl_groups(cfg.dist)
     check_objective(cfg)
     check_fsdp(cfg, device)  # before the device table: Megatron-FSDP's own reason beats its optimizer's
     check_device(cfg, device)
