@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import functools
 import sys
+import time
 from typing import Callable
 
 import typer
 
 USAGE_EXIT_CODE = 2
 RUN_FAILED_EXIT_CODE = 1
+QUIET_RANK_GRACE_S = 10.0
+"""How long a rank that leaves a config error to its node's local rank 0 waits before it exits. torchrun stops every
+worker once one fails, so a quiet rank that exited first had local rank 0 stopped before it printed the error: no
+message at all (seen in the test suite under load). Waiting, the quiet rank is the one torchrun stops, and torchrun
+names local rank 0's exit as the failure; under srun, which leaves the other tasks running, it exits after the wait."""
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
@@ -66,6 +72,8 @@ def handles_user_errors(command: Callable) -> Callable:
                 if isinstance(err, kinds):
                     if says_it_once(err):
                         report(err)
+                    else:  # the rank that says it exits first
+                        time.sleep(QUIET_RANK_GRACE_S)
                     sys.exit(code)
             raise
 
