@@ -60,6 +60,9 @@ def memory_report(when: str, across_pipeline: bool = True) -> str:
     return f"memory {when} ({where}): " + " | ".join(f"{k} {v:.2f} GiB" for k, v in memory.items())
 
 
+EP_LOAD = "moe/ep-load-max-over-mean"
+"""The busiest expert-parallel rank's (token, expert) pairs over its group's mean (bridge_cli/logging/expert_load.py)."""
+
 class TrainingLogger:
     def __init__(self, global_state, model: list):
         self.state = global_state
@@ -77,6 +80,11 @@ class TrainingLogger:
         self.history_wct: list[float] = [self.run_started]
         self.timers = global_state.timers
         self.aux_losses = auxiliary_losses_for(self.cfg.model)
+        self.expert_load = None
+        if self.cfg.model.num_moe_experts:
+            from bridge_cli.logging.expert_load import ExpertLoad
+
+            self.expert_load = ExpertLoad.of(model)
         from bridge_cli.data.preference import rows_per_sample
 
         self.tokens_per_sample = self.cfg.model.seq_length * rows_per_sample(self.cfg)
@@ -128,6 +136,8 @@ class TrainingLogger:
             extra = (f"energy/gpu {collected['iter-energy/gpu']:.1f} J/iter", f"power/gpu {collected['power/gpu']:.0f} W")
         for losses in self.aux_losses:
             extra += losses.line_fields(self.stats.iterations)
+        if EP_LOAD in collected:
+            extra += (f"ep load max/mean {collected[EP_LOAD]:.3f}",)
         loss = self.console.training_line(
             ts.step, self.stats, ts.consumed_train_samples, optimizer.param_groups[0]["lr"], grad_norm,
             float(optimizer.get_loss_scale()), batch_size * self.tokens_per_sample, flops, dist.get_world_size(),
@@ -151,6 +161,8 @@ class TrainingLogger:
             collected["timers"], timer_scalars = interval_report(self.timers, log.log_interval)
             if log.log_timers_to_tensorboard:
                 collected.update(timer_scalars)
+        if log_step and self.expert_load is not None:
+            collected[EP_LOAD] = self.expert_load.lap()
         if log_step and self.energy is not None:
             joules, seconds = self.energy.lap()
             world = dist.get_world_size()

@@ -43,7 +43,7 @@ from bridge_cli.models.moe_rows import GatherRows, MaskGradient, SumRows
 class DeviceTokenDispatcher(MoETokenDispatcher):
     """Gathers the group's tokens, permutes the pairs of this rank's experts and sums them back (see the module)."""
 
-    def __init__(self, replaced: MoETokenDispatcher, chunks: int = 1):
+    def __init__(self, replaced: MoETokenDispatcher, chunks: int = 1, device: torch.device | None = None):
         groups = SimpleNamespace(ep=replaced.ep_group, expt_tp=replaced.tp_group, tp_ep=replaced.tp_ep_group)
         super().__init__(config=replaced.config, pg_collection=groups)
         self.local = slice(replaced.local_expert_indices[0],
@@ -55,6 +55,9 @@ class DeviceTokenDispatcher(MoETokenDispatcher):
         self.chunks = chunks
         """model.moe_exchange_chunks: above 1, the tokens stay on their rank through token_dispatch and token_combine,
         and :meth:`experts_in_chunks` (called by :class:`ChunkedExchangeMoELayer`) exchanges them chunk by chunk."""
+        self.pairs = None if self.all_experts_here else torch.zeros((), dtype=torch.int64, device=device)
+        """The (token, expert) pairs this rank's experts ran since the log line last read it (experts spread over
+        ranks): the busiest rank of the group against the group's mean is the log line's ``ep load max/mean``."""
 
     def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
         self.hidden_shape = hidden_states.shape
@@ -99,6 +102,7 @@ class DeviceTokenDispatcher(MoETokenDispatcher):
         permuted_probs = probs[:, self.local].t().reshape(-1).index_select(0, pairs)
         if count is not None:  # the tail's probabilities get no gradient from the rows nobody reads
             permuted_probs = MaskGradient.apply(permuted_probs, count)
+            self.pairs.add_(count)
         permuted = GatherRows.apply(hidden_states, token_of_row, count, rows_of_token)
         return permuted, tokens_per_expert, permuted_probs, (rows_of_token, token_of_row, count)
 
@@ -271,7 +275,8 @@ def use_device_token_dispatch(model: torch.nn.Module) -> None:
         if (not device_dispatch_blocker(layer.config)
                 and type(layer.token_dispatcher) in (MoEAlltoAllTokenDispatcher, MoEAllGatherTokenDispatcher)):
             chunks = layer.config.moe_exchange_chunks
-            layer.token_dispatcher = DeviceTokenDispatcher(layer.token_dispatcher, chunks)
+            device = next(layer.parameters()).device
+            layer.token_dispatcher = DeviceTokenDispatcher(layer.token_dispatcher, chunks, device)
             if chunks > 1:
                 if type(layer) is not MoELayer:
                     raise ValueError(f"model.moe_exchange_chunks chunks megatron-core's MoELayer, and this layer is a "
@@ -286,3 +291,13 @@ def use_device_token_dispatch(model: torch.nn.Module) -> None:
                 f"({layer.token_dispatcher.tp_size}) and megatron-core's dispatcher (here "
                 f"{device_dispatch_blocker(layer.config)}) gathers uneven token counts, which gloo cannot; on the CPU "
                 "set model.moe_token_dispatcher_type=allgather.")
+
+
+def expert_pair_counters(chunks: list) -> tuple[list[torch.Tensor], object]:
+    """Each :class:`DeviceTokenDispatcher`'s :attr:`~DeviceTokenDispatcher.pairs` counter in ``chunks`` and the group
+    they are compared over (expert TP x EP, the group that gathers the tokens); ``([], None)`` where no rank's experts
+    are spread."""
+    dispatchers = [m.token_dispatcher for chunk in chunks for m in chunk.modules()
+                   if isinstance(m, MoELayer) and isinstance(m.token_dispatcher, DeviceTokenDispatcher)
+                   and m.token_dispatcher.pairs is not None]
+    return [d.pairs for d in dispatchers], (dispatchers[0].tp_ep_group if dispatchers else None)

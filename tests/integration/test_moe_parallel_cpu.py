@@ -36,13 +36,18 @@ def assert_same_run(layout, reference, rel: float = 1e-5) -> None:
 
 @pytest.fixture(scope="module")
 def one_process():
-    return curve(bridge("pretrain", *SHORT))
+    result = bridge("pretrain", *SHORT)
+    assert "ep load" not in result.stdout  # every expert on the one rank: nobody waits on another
+    return curve(result)
 
 
 @pytest.mark.slow
 def test_expert_parallel_two_matches_one_process(one_process):
-    ep2 = curve(torchrun(2, "pretrain", *SHORT, "model.expert_model_parallel_size=2"))
-    assert_same_run(ep2, one_process)
+    result = torchrun(2, "pretrain", *SHORT, "model.expert_model_parallel_size=2")
+    assert_same_run(curve(result), one_process)
+    # the busiest of the 2 ranks' expert work over their mean: between an even 1 and all of it on one rank (2)
+    loads = [float(x) for x in re.findall(r"\| ep load max/mean ([0-9.]+) \|", result.stdout)]
+    assert len(loads) == 12 and all(1.0 <= x <= 2.0 for x in loads), result.stdout[-2000:]
 
 
 @pytest.mark.slow
