@@ -31,6 +31,7 @@ import argparse
 import bisect
 import importlib.util
 import json
+import math
 import re
 import statistics
 import sys
@@ -42,6 +43,8 @@ from compare_mcore import run as run_timed
 from titan_harness import shape_flags
 
 LOSS = re.compile(r"^iteration\s+(\d+)/\d+ .*\| lm loss ([0-9.]+) ", re.M)
+EP_LOAD = re.compile(r"^iteration\s+(\d+)/\d+ .*\| ep load max/mean ([0-9.]+) ", re.M)
+"""The log line's expert-parallel load: the busiest rank's (token, expert) pairs over its group's mean."""
 TOKENS = re.compile(r"^iteration\s+(\d+)/\d+ .*\| tokens/s/gpu ([0-9,]+) ", re.M)
 KERNEL_TABLE = re.compile(r"^GPU time of .*by kernel kind:\n(?:  .*\n)+", re.M)
 TIMER = re.compile(r"^\s+(forward-backward|forward-compute|backward-compute|all-grads-sync|params-all-gather|"
@@ -69,18 +72,22 @@ def summary(out: str, warmup: int = 3, loss: re.Pattern = LOSS) -> dict:
     """A run's log read: ``loss`` finds each iteration's loss (default: lm loss)."""
     rows = [(float(ms), float(tf)) for i, ms, tf in ITER_LINE.findall(out) if int(i) > warmup]
     tokens = [float(t.replace(",", "")) for i, t in TOKENS.findall(out) if int(i) > warmup]
+    loads = [float(x) for i, x in EP_LOAD.findall(out) if int(i) > warmup]
     peak = PEAK.search(out)
     return {"losses": {int(i): float(x) for i, x in loss.findall(out)},
             "tokens": statistics.median(tokens) if tokens else float("nan"),
             "step_ms": statistics.median(ms for ms, _ in rows) if rows else float("nan"),
             "tflops": statistics.median(tf for _, tf in rows) if rows else float("nan"),
             "peak": float(peak.group(1)) if peak else float("nan"),
+            "ep_load": statistics.median(loads) if loads else float("nan"),
             "timers": {name: float(high) for name, _, high in TIMER.findall(out)}}  # the last interval's
 
 
 def report(name: str, r: dict) -> dict:
+    load = r.get("ep_load", float("nan"))  # the expert-parallel rows' last column
     print(f"{name:<22} {r['step_ms']:>8.1f} {r['tokens']:>10,.0f} {r['tflops']:>8.1f} "
-          f"{r['tflops'] / H100_BF16_PEAK_TFLOPS:>6.1%} {r['peak']:>9.1f}", flush=True)
+          f"{r['tflops'] / H100_BF16_PEAK_TFLOPS:>6.1%} {r['peak']:>9.1f}" + ("" if math.isnan(load) else f" {load:>8.3f}"),
+          flush=True)
     return r
 
 
@@ -247,7 +254,8 @@ def main() -> None:
     base = [f"recipe={args.recipe}", "train.eval_iters=0", "logger.log_interval=1", *overrides]
     single = one_gpu(base)
     bridge = [sys.executable, "-m", "bridge_cli", "pretrain"]
-    print(f"{'run':<22} {'ms/step':>8} {'tok/s/gpu':>10} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>9}", flush=True)
+    print(f"{'run':<22} {'ms/step':>8} {'tok/s/gpu':>10} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>9} {'ep load':>8}",
+          flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         # each result as soon as its run ends, so a time limit keeps what finished

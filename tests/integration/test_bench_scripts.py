@@ -311,7 +311,10 @@ def test_log_parsers_read_a_bridge_log(tiny_run, monkeypatch):
     assert compare_mcore.FIRST_ITERATION.search(next(line for line in out.splitlines() if line.startswith("iter")))
 
     summary = moe_ep.summary(out)  # iterations 4 and 5 timed
-    assert summary["losses"] == losses
+    assert summary["losses"] == losses and math.isnan(summary["ep_load"])  # one process: no expert-parallel load
+    spread = "".join(f"iteration {i}/5 | lm loss 1.0 | ep load max/mean {x} | ETA 0:00:01\n"
+                     for i, x in ((3, "1.900"), (4, "1.250"), (5, "1.150")))
+    assert moe_ep.summary(spread)["ep_load"] == pytest.approx(1.2)  # iterations 4 and 5's, as the others
     assert all(math.isfinite(summary[key]) and summary[key] > 0 for key in ("tokens", "step_ms", "tflops"))
     assert {"forward-backward", "forward-compute", "backward-compute", "optimizer"} <= set(summary["timers"])
     assert moe_ep.curve_difference(losses, summary["losses"], losses) == 0
