@@ -63,6 +63,7 @@ def memory_report(when: str, across_pipeline: bool = True) -> str:
 EP_LOAD = "moe/ep-load-max-over-mean"
 """The busiest expert-parallel rank's (token, expert) pairs over its group's mean (bridge_cli/logging/expert_load.py)."""
 
+
 class TrainingLogger:
     def __init__(self, global_state, model: list):
         self.state = global_state

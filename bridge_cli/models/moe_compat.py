@@ -23,9 +23,9 @@ Casting it once right after ``Float16Module`` does what that forward does, befor
 ``values[layer_number - 1]``, ``layer_number`` an int attribute of the router, which ``torch.compile`` reads as a
 constant and guards on. Under ``model.compile_layers`` every MoE layer then compiled a graph of its own (on 4 H100s
 with megatron-core 0.19.2, the 8-layer MoE proxy's first step spent about 5 s compiling each layer) instead of all
-layers sharing one, and past dynamo's recompile limit (8 a function) the layers beyond it ran eager. A 0-d tensor on
-the router's device in its place indexes the same entry (``values[t] += loss``) as a graph input, the same for every
-layer.
+layers sharing one, and past dynamo's recompile limit (8 a function) the layers beyond it ran eager. A one-element
+int64 tensor on the router's device in its place indexes the same entry (``values[t] += loss``) as a graph input,
+the same for every layer (a 0-d one would not do: dynamo reads a 0-d index back with ``.item()`` and guards on it).
 """
 
 from __future__ import annotations
@@ -82,9 +82,9 @@ def keep_router_biases_in_fp32(chunks: list) -> None:
 
 
 def number_routers_by_tensor(chunks: list) -> None:
-    """Each megatron-core router's ``layer_number`` as a 0-d int64 tensor on its device (before compiling the layers),
-    so that recording its auxiliary losses does not tie a compiled graph to one layer; and megatron-core 0.19's
-    metrics tracker made now, not inside the first compiled layer (another recompile)."""
+    """Each megatron-core router's ``layer_number`` as a one-element int64 tensor on its device (before compiling the
+    layers), so that recording its auxiliary losses does not tie a compiled graph to one layer; and megatron-core
+    0.19's metrics tracker made now, not inside the first compiled layer (another recompile)."""
     from megatron.core.transformer.moe.router import Router
 
     try:

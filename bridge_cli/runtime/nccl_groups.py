@@ -29,6 +29,8 @@ SETTINGS: dict[str, type] = {"cga_cluster_size": int, "max_ctas": int, "min_ctas
                              "is_high_priority_stream": bool}
 """What megatron-core reads from a group's entry, and the type each must have."""
 NET_NAMES = ("ib", "socket")
+KEY = "dist.nccl_communicator_config_path"
+FIX = f"Fix the file, or set {KEY}=null."
 
 
 @functools.cache
@@ -51,23 +53,21 @@ def read_settings(path: str) -> dict[str, dict[str, Any]]:
     """The checked contents of a ``dist.nccl_communicator_config_path`` file."""
     import yaml
 
-    key = "dist.nccl_communicator_config_path"
-    fix = f"Fix the file, or set {key}=null."
     file = Path(path)
     if not file.is_file():
-        raise ConfigError(key, f"{path} is not a file.", f"Point it at a YAML file, or set {key}=null.")
+        raise ConfigError(KEY, f"{path} is not a file.", f"Point it at a YAML file, or set {KEY}=null.")
     try:
         settings = yaml.safe_load(file.read_text())
     except yaml.YAMLError as err:
-        raise ConfigError(key, f"{path} is not YAML ({str(err).splitlines()[0]}).", fix) from err
+        raise ConfigError(KEY, f"{path} is not YAML ({str(err).splitlines()[0]}).", FIX) from err
     if not isinstance(settings, dict):
-        raise ConfigError(key, f"{path} holds no mapping of process-group names to NCCL settings.", fix)
+        raise ConfigError(KEY, f"{path} holds no mapping of process-group names to NCCL settings.", FIX)
     for group, entry in settings.items():
-        _check_group(f"{key} ({path})", group)
+        _check_group(f"{KEY} ({path})", group)
         if not isinstance(entry, dict):
-            raise ConfigError(key, f"{path}: {group} maps to {entry!r}, not to settings.", fix)
+            raise ConfigError(KEY, f"{path}: {group} maps to {entry!r}, not to settings.", FIX)
         for name, value in entry.items():
-            _check_setting(key, path, group, name, value)
+            _check_setting(path, group, name, value)
     return settings
 
 
@@ -77,16 +77,15 @@ def _check_group(key: str, name: Any) -> None:
         raise ConfigError(key, f"{name!r} names no process group megatron-core creates.", hint)
 
 
-def _check_setting(key: str, path: str, group: str, name: Any, value: Any) -> None:
-    fix = f"Fix the file, or set {key}=null."
+def _check_setting(path: str, group: str, name: Any, value: Any) -> None:
     expected: Optional[type] = SETTINGS.get(name)
     if expected is None:
-        raise ConfigError(key, f"{path}: {group}.{name} is no NCCL setting megatron-core applies "
-                               f"({', '.join(SETTINGS)}).", did_you_mean(str(name), SETTINGS) or fix)
+        raise ConfigError(KEY, f"{path}: {group}.{name} is no NCCL setting megatron-core applies "
+                               f"({', '.join(SETTINGS)}).", did_you_mean(str(name), SETTINGS) or FIX)
     if type(value) is not expected:  # a bool is no count, nor a count a bool
-        raise ConfigError(key, f"{path}: {group}.{name} is {value!r}, not a{'n' if expected is int else ''} "
-                               f"{expected.__name__}.", fix)
+        raise ConfigError(KEY, f"{path}: {group}.{name} is {value!r}, not a{'n' if expected is int else ''} "
+                               f"{expected.__name__}.", FIX)
     if expected is int and value < 1:
-        raise ConfigError(key, f"{path}: {group}.{name} is {value}; it must be at least 1.", fix)
+        raise ConfigError(KEY, f"{path}: {group}.{name} is {value}; it must be at least 1.", FIX)
     if name == "net_name" and value.lower() not in NET_NAMES:
-        raise ConfigError(key, f"{path}: {group}.net_name is {value!r}; megatron-core takes IB or socket.", fix)
+        raise ConfigError(KEY, f"{path}: {group}.net_name is {value!r}; megatron-core takes IB or socket.", FIX)

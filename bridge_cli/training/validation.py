@@ -33,8 +33,8 @@ from bridge_cli.config.data_configs import FinetuningDatasetConfig
 from bridge_cli.runtime.device_rules import check_device, default_device
 from bridge_cli.runtime.fsdp import check_fsdp
 from bridge_cli.runtime.launcher_fields import check_launcher_fields
-from bridge_cli.runtime.nccl_groups import check_nccl_groups
 from bridge_cli.runtime.mcore_import import megatron_core_version
+from bridge_cli.runtime.nccl_groups import check_nccl_groups
 from bridge_cli.runtime.output_paths import check_output_folders
 
 SCHEDULER_STEP_FIELDS = ("lr_warmup_steps", "lr_decay_steps", "wd_incr_steps", "wsd_decay_steps")
