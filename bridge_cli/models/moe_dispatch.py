@@ -43,7 +43,7 @@ from bridge_cli.models.moe_rows import GatherRows, MaskGradient, SumRows
 class DeviceTokenDispatcher(MoETokenDispatcher):
     """Gathers the group's tokens, permutes the pairs of this rank's experts and sums them back (see the module)."""
 
-    def __init__(self, replaced: MoETokenDispatcher, chunks: int = 1, device: torch.device | None = None):
+    def __init__(self, replaced: MoETokenDispatcher, chunks: int = 1):
         groups = SimpleNamespace(ep=replaced.ep_group, expt_tp=replaced.tp_group, tp_ep=replaced.tp_ep_group)
         super().__init__(config=replaced.config, pg_collection=groups)
         self.local = slice(replaced.local_expert_indices[0],
@@ -55,9 +55,11 @@ class DeviceTokenDispatcher(MoETokenDispatcher):
         self.chunks = chunks
         """model.moe_exchange_chunks: above 1, the tokens stay on their rank through token_dispatch and token_combine,
         and :meth:`experts_in_chunks` (called by :class:`ChunkedExchangeMoELayer`) exchanges them chunk by chunk."""
-        self.pairs = None if self.all_experts_here else torch.zeros((), dtype=torch.int64, device=device)
+        self.pairs: torch.Tensor | None = None
         """The (token, expert) pairs this rank's experts ran since the log line last read it (experts spread over
-        ranks): the busiest rank of the group against the group's mean is the log line's ``ep load max/mean``."""
+        ranks): the busiest rank of the group against the group's mean is the log line's ``ep load max/mean``.
+        Made by :func:`expert_pair_counters` once the model sits on its device (with ``model.use_cpu_initialization``
+        the layers are built on the host and moved after this dispatcher is installed)."""
 
     def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
         self.hidden_shape = hidden_states.shape
@@ -102,7 +104,8 @@ class DeviceTokenDispatcher(MoETokenDispatcher):
         permuted_probs = probs[:, self.local].t().reshape(-1).index_select(0, pairs)
         if count is not None:  # the tail's probabilities get no gradient from the rows nobody reads
             permuted_probs = MaskGradient.apply(permuted_probs, count)
-            self.pairs.add_(count)
+            if self.pairs is not None:
+                self.pairs.add_(count)
         permuted = GatherRows.apply(hidden_states, token_of_row, count, rows_of_token)
         return permuted, tokens_per_expert, permuted_probs, (rows_of_token, token_of_row, count)
 
@@ -275,8 +278,7 @@ def use_device_token_dispatch(model: torch.nn.Module) -> None:
         if (not device_dispatch_blocker(layer.config)
                 and type(layer.token_dispatcher) in (MoEAlltoAllTokenDispatcher, MoEAllGatherTokenDispatcher)):
             chunks = layer.config.moe_exchange_chunks
-            device = next(layer.parameters()).device
-            layer.token_dispatcher = DeviceTokenDispatcher(layer.token_dispatcher, chunks, device)
+            layer.token_dispatcher = DeviceTokenDispatcher(layer.token_dispatcher, chunks)
             if chunks > 1:
                 if type(layer) is not MoELayer:
                     raise ValueError(f"model.moe_exchange_chunks chunks megatron-core's MoELayer, and this layer is a "
@@ -294,10 +296,13 @@ def use_device_token_dispatch(model: torch.nn.Module) -> None:
 
 
 def expert_pair_counters(chunks: list) -> tuple[list[torch.Tensor], object]:
-    """Each :class:`DeviceTokenDispatcher`'s :attr:`~DeviceTokenDispatcher.pairs` counter in ``chunks`` and the group
-    they are compared over (expert TP x EP, the group that gathers the tokens); ``([], None)`` where no rank's experts
-    are spread."""
-    dispatchers = [m.token_dispatcher for chunk in chunks for m in chunk.modules()
-                   if isinstance(m, MoELayer) and isinstance(m.token_dispatcher, DeviceTokenDispatcher)
-                   and m.token_dispatcher.pairs is not None]
+    """Each :class:`DeviceTokenDispatcher`'s :attr:`~DeviceTokenDispatcher.pairs` counter in ``chunks``, made zero on
+    the device its layer's parameters are on now, and the group they are compared over (expert TP x EP, the group
+    that gathers the tokens); ``([], None)`` where no rank's experts are spread."""
+    layers = [m for chunk in chunks for m in chunk.modules()
+              if isinstance(m, MoELayer) and isinstance(m.token_dispatcher, DeviceTokenDispatcher)
+              and not m.token_dispatcher.all_experts_here]
+    for layer in layers:
+        layer.token_dispatcher.pairs = torch.zeros((), dtype=torch.int64, device=next(layer.parameters()).device)
+    dispatchers = [layer.token_dispatcher for layer in layers]
     return [d.pairs for d in dispatchers], (dispatchers[0].tp_ep_group if dispatchers else None)

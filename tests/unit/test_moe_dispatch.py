@@ -95,17 +95,21 @@ def test_megatron_cores_dispatcher_stays_where_the_permutation_is_not_fixed(one_
     assert not any(isinstance(mlp.token_dispatcher, DeviceTokenDispatcher) for mlp in moe_layers(build(**overrides)))
 
 
+def holding_experts_0_to_3(mlp) -> DeviceTokenDispatcher:
+    """A dispatcher for ``mlp`` (all 8 experts on this one process) as on a rank that holds experts 0-3 only."""
+    from types import SimpleNamespace
+
+    real = mlp.token_dispatcher
+    half = SimpleNamespace(config=real.config, ep_group=real.ep_group, tp_group=real.tp_group,
+                           tp_ep_group=real.tp_ep_group, local_expert_indices=[0, 1, 2, 3], num_local_experts=4)
+    return DeviceTokenDispatcher(half)
+
+
 def test_the_unused_tail_reaches_no_output_and_no_gradient(one_process):
     """A rank holding some experts gets buffers sized for the most pairs it can receive; on the GPU the rows past
     the count are left unwritten (any values, NaN included). Whatever they hold, the combined output and the
     gradients of the tokens and of the routing probabilities stay those of the real rows."""
-    from types import SimpleNamespace
-
-    mlp = moe_layers(build(moe_router_topk=2))[0]
-    real = mlp.token_dispatcher  # all 8 experts local; make this rank hold experts 0-3 only
-    half = SimpleNamespace(config=real.config, ep_group=real.ep_group, tp_group=real.tp_group,
-                           tp_ep_group=real.tp_ep_group, local_expert_indices=[0, 1, 2, 3], num_local_experts=4)
-    dispatcher = DeviceTokenDispatcher(half)
+    dispatcher = holding_experts_0_to_3(moe_layers(build(moe_router_topk=2))[0])
     hidden = torch.randn(6, 1, 64, requires_grad=True)
     routing_map = torch.zeros(6, 8, dtype=torch.bool)
     for token, pair in enumerate([(0, 7), (3, 1), (5, 6), (2, 0), (4, 1), (6, 7)]):
@@ -125,6 +129,29 @@ def test_the_unused_tail_reaches_no_output_and_no_gradient(one_process):
     expected = (hidden.detach()[:, 0].unsqueeze(1) * (probs.detach()[:, :4] * local).unsqueeze(-1)).sum(1)
     torch.testing.assert_close(out[:, 0].detach(), expected)
     assert (probs.grad[:, 4:] == 0).all()  # experts of other ranks get their gradient there
+
+
+def test_the_pair_counter_lives_where_the_layer_is_when_the_log_reads_it(one_process):
+    """``ep load max/mean`` counts each rank's (token, expert) pairs on its device. With
+    ``model.use_cpu_initialization`` the layers are built on the host and moved after the dispatcher is installed, so
+    the counter is made when the logger asks for it, beside the layer's parameters then (the first EP run on GPUs
+    built it on the host and failed in the compiled layer adding a device count to it)."""
+    from bridge_cli.models.moe_dispatch import expert_pair_counters
+
+    model = build(moe_router_topk=2)
+    mlp = moe_layers(model)[0]
+    mlp.token_dispatcher = holding_experts_0_to_3(mlp)
+    assert mlp.token_dispatcher.pairs is None  # nothing counted before anyone reads
+    counters, group = expert_pair_counters([model])
+    assert len(counters) == 1 and group is mlp.token_dispatcher.tp_ep_group and int(counters[0]) == 0
+    routing_map = torch.zeros(6, 8, dtype=torch.bool)
+    routing_map[:, 0] = routing_map[:3, 5] = routing_map[3:, 2] = True  # pairs on experts 0-3: 6 + 3
+    hidden, probs = torch.randn(6, 1, 64), torch.rand(6, 8) * routing_map
+    mlp.token_dispatcher.dispatch_postprocess(*mlp.token_dispatcher.dispatch_preprocess(hidden, routing_map, probs))
+    assert int(counters[0]) == 9
+    model.to("meta")  # where the model goes after the dispatcher was installed
+    (counter,), _ = expert_pair_counters([model])
+    assert counter.device.type == "meta" and mlp.token_dispatcher.pairs is counter
 
 
 def test_chunks_give_the_numbers_of_one_pass(one_process):
