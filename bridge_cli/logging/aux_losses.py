@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from bridge_cli.models.moe_compat import router_loss_names
+
 
 class _ScalarSink:
     """``add_scalar`` onto bridge's MetricWriter, so the values reach TensorBoard, W&B, MLflow and Comet."""
@@ -45,7 +47,7 @@ class MoEMetrics(_Totals):
     def __init__(self, model_cfg):
         super().__init__()
         self.cfg = model_cfg
-        self.track_names = tracked_losses(model_cfg)
+        self.track_names = router_loss_names(model_cfg)
 
     def after_step(self, step: int, num_microbatches: int, writer=None) -> None:
         """Fold this step's MoE losses into the interval totals; ``writer`` (on the writing rank, at
@@ -68,17 +70,6 @@ class MTPMetrics(_Totals):
         MTPLossLoggingHelper.track_mtp_metrics(loss_scale=1.0 / num_microbatches, iteration=step,
                                                writer=_ScalarSink(writer) if writer else None,
                                                total_loss_dict=self.totals)
-
-
-def tracked_losses(model_cfg) -> list[str]:
-    """The tracker names megatron-core's router records under this config (Megatron-LM's list)."""
-    kinds = model_cfg.moe_router_load_balancing_type
-    kinds = kinds if isinstance(kinds, list) else [kinds]
-    names = [f"{prefix}load_balancing_loss" for kind, prefix in
-             (("aux_loss", ""), ("seq_aux_loss", "seq_"), ("global_aux_loss", "global_")) if kind in kinds]
-    if model_cfg.moe_z_loss_coeff is not None:
-        names.append("z_loss")
-    return names
 
 
 def auxiliary_losses_for(model_cfg) -> list[_Totals]:

@@ -1,5 +1,5 @@
-"""Four fixes to megatron-core's MoE code: two applied before an MoE model is built, one after its cast to bf16,
-one before its layers compile.
+"""Five fixes to megatron-core's MoE code: two applied before an MoE model is built, one after its cast to bf16,
+two before its layers compile.
 
 ``define_missing_te_names``: megatron-core 0.16 imports ``te_general_gemm`` into ``moe.moe_utils``
 only when Transformer Engine imports, yet the router's gating GEMM reads it unconditionally
@@ -26,6 +26,12 @@ with megatron-core 0.19.2, the 8-layer MoE proxy's first step spent about 5 s co
 layers sharing one, and past dynamo's recompile limit (8 a function) the layers beyond it ran eager. A one-element
 int64 tensor on the router's device in its place indexes the same entry (``values[t] += loss``) as a graph input,
 the same for every layer (a 0-d one would not do: dynamo reads a 0-d index back with ``.item()`` and guards on it).
+
+``make_router_loss_entries``: the tracker makes a loss's entry at the first router's record (``if name not in``
+the tracker), inside the first compiled layer, and dynamo guards on the name being absent: the next layer's call
+recompiled every layer once (on 4 H100s with megatron-core 0.19.2, one recompilation a rank in the MoE proxy's first
+step, "not ___dict_contains('load_balancing_loss', ...)"). The entries the routers will record are made before,
+at the size and on the device the routers use, as megatron-core's own ``force_initialize`` makes them.
 """
 
 from __future__ import annotations
@@ -83,19 +89,49 @@ def keep_router_biases_in_fp32(chunks: list) -> None:
 
 def number_routers_by_tensor(chunks: list) -> None:
     """Each megatron-core router's ``layer_number`` as a one-element int64 tensor on its device (before compiling the
-    layers), so that recording its auxiliary losses does not tie a compiled graph to one layer; and megatron-core
-    0.19's metrics tracker made now, not inside the first compiled layer (another recompile)."""
+    layers), so that recording its auxiliary losses does not tie a compiled graph to one layer."""
     from megatron.core.transformer.moe.router import Router
 
-    try:
-        from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker  # megatron-core 0.19
-    except ImportError:  # before it: a module-level dict that exists from import
-        pass
-    else:
-        get_moe_metrics_tracker()
     for chunk in chunks:
         for module in chunk.modules():
             number = getattr(module, "layer_number", None) if isinstance(module, Router) else None
             if isinstance(number, int):
                 device = next(module.parameters()).device
                 module.layer_number = torch.tensor([number], dtype=torch.int64, device=device)
+
+
+def router_loss_names(config) -> list[str]:
+    """The tracker names megatron-core's routers record their losses under for this model config (Megatron-LM's
+    list)."""
+    kinds = config.moe_router_load_balancing_type
+    kinds = kinds if isinstance(kinds, list) else [kinds]
+    names = [f"{prefix}load_balancing_loss" for kind, prefix in
+             (("aux_loss", ""), ("seq_aux_loss", "seq_"), ("global_aux_loss", "global_")) if kind in kinds]
+    if config.moe_z_loss_coeff is not None:
+        names.append("z_loss")
+    return names
+
+
+def make_router_loss_entries(chunks: list) -> None:
+    """The tracker entries the routers of ``chunks`` record into, made zero now (before compiling the layers) where
+    they do not exist yet: one value per layer, MTP layers included, on the first router's device."""
+    from megatron.core.transformer.moe.router import Router
+
+    router = next((m for chunk in chunks for m in chunk.modules() if isinstance(m, Router)), None)
+    if router is None:
+        return
+    config, device = router.config, next(router.parameters()).device
+    size = config.num_layers + (config.mtp_num_layers or 0)
+    try:
+        from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker  # megatron-core 0.18 and later
+    except ImportError:  # 0.16 and 0.17: a module-level dict
+        from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+        tracker = get_moe_layer_wise_logging_tracker()
+        for name in router_loss_names(config):
+            tracker.setdefault(name, {"values": torch.zeros(size, device=device), "reduce_group": None,
+                                      "avg_group": None, "reduce_group_has_dp": False})
+    else:
+        tracker = get_moe_metrics_tracker()
+        for name in router_loss_names(config):
+            tracker.ensure_initialized(name, size, device)

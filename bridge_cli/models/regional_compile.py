@@ -34,9 +34,10 @@ def compile_layers(chunks: list) -> None:
     from megatron.core.tensor_parallel import layers
 
     layers.linear_with_grad_accumulation_and_async_allreduce.warned = True
-    from bridge_cli.models.moe_compat import number_routers_by_tensor
+    from bridge_cli.models.moe_compat import make_router_loss_entries, number_routers_by_tensor
 
     number_routers_by_tensor(chunks)  # one graph for every MoE layer, whose routers record their losses by layer
+    make_router_loss_entries(chunks)  # and no recompilation once the first layer made the tracker's entry
     for chunk in chunks:
         for module in chunk.modules():
             if isinstance(module, TransformerLayer):
