@@ -40,6 +40,11 @@ from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 from bridge_cli.models.moe_rows import GatherRows, MaskGradient, SumRows
 
 
+PAIR_SLOTS = 64
+"""How many exchanges of a layer :attr:`DeviceTokenDispatcher.pairs` keeps apart between two log lines (micro-batches,
+chunks, recomputed forwards); beyond, they add into the first entries again, the same ones on every rank."""
+
+
 class DeviceTokenDispatcher(MoETokenDispatcher):
     """Gathers the group's tokens, permutes the pairs of this rank's experts and sums them back (see the module)."""
 
@@ -56,10 +61,14 @@ class DeviceTokenDispatcher(MoETokenDispatcher):
         """model.moe_exchange_chunks: above 1, the tokens stay on their rank through token_dispatch and token_combine,
         and :meth:`experts_in_chunks` (called by :class:`ChunkedExchangeMoELayer`) exchanges them chunk by chunk."""
         self.pairs: torch.Tensor | None = None
-        """The (token, expert) pairs this rank's experts ran since the log line last read it (experts spread over
-        ranks): the busiest rank of the group against the group's mean is the log line's ``ep load max/mean``.
-        Made by :func:`expert_pair_counters` once the model sits on its device (with ``model.use_cpu_initialization``
-        the layers are built on the host and moved after this dispatcher is installed)."""
+        """The (token, expert) pairs this rank's experts ran in each exchange since the log line last read them
+        (experts spread over ranks), one of :data:`PAIR_SLOTS` entries an exchange, :attr:`exchange` the next; the
+        log line's ``ep load max/mean`` compares the group's ranks exchange by exchange. Made by
+        :func:`expert_pair_counters` once the model sits on its device (with ``model.use_cpu_initialization`` the
+        layers are built on the host and moved after this dispatcher is installed)."""
+        self.exchange: torch.Tensor | None = None
+        """The entry of :attr:`pairs` the next exchange counts into: a one-element tensor, so that counting is a
+        graph op of the compiled layer, the same on every rank of the group (they run the same exchanges)."""
 
     def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
         self.hidden_shape = hidden_states.shape
@@ -105,7 +114,8 @@ class DeviceTokenDispatcher(MoETokenDispatcher):
         if count is not None:  # the tail's probabilities get no gradient from the rows nobody reads
             permuted_probs = MaskGradient.apply(permuted_probs, count)
             if self.pairs is not None:
-                self.pairs.add_(count)
+                self.pairs.index_add_(0, self.exchange, count.view(1))
+                self.exchange.add_(1).remainder_(PAIR_SLOTS)
         permuted = GatherRows.apply(hidden_states, token_of_row, count, rows_of_token)
         return permuted, tokens_per_expert, permuted_probs, (rows_of_token, token_of_row, count)
 
@@ -296,13 +306,15 @@ def use_device_token_dispatch(model: torch.nn.Module) -> None:
 
 
 def expert_pair_counters(chunks: list) -> tuple[list[torch.Tensor], object]:
-    """Each :class:`DeviceTokenDispatcher`'s :attr:`~DeviceTokenDispatcher.pairs` counter in ``chunks``, made zero on
-    the device its layer's parameters are on now, and the group they are compared over (expert TP x EP, the group
-    that gathers the tokens); ``([], None)`` where no rank's experts are spread."""
+    """Each :class:`DeviceTokenDispatcher`'s :attr:`~DeviceTokenDispatcher.pairs` counters in ``chunks`` (one entry an
+    exchange), made zero on the device its layer's parameters are on now, and the group they are compared over
+    (expert TP x EP, the group that gathers the tokens); ``([], None)`` where no rank's experts are spread."""
     layers = [m for chunk in chunks for m in chunk.modules()
               if isinstance(m, MoELayer) and isinstance(m.token_dispatcher, DeviceTokenDispatcher)
               and not m.token_dispatcher.all_experts_here]
     for layer in layers:
-        layer.token_dispatcher.pairs = torch.zeros((), dtype=torch.int64, device=next(layer.parameters()).device)
+        device = next(layer.parameters()).device
+        layer.token_dispatcher.pairs = torch.zeros(PAIR_SLOTS, dtype=torch.int64, device=device)
+        layer.token_dispatcher.exchange = torch.zeros(1, dtype=torch.int64, device=device)
     dispatchers = [layer.token_dispatcher for layer in layers]
     return [d.pairs for d in dispatchers], (dispatchers[0].tp_ep_group if dispatchers else None)

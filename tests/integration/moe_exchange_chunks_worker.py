@@ -169,6 +169,7 @@ def layer_order(args) -> dict:
     collectives, waits and expert GEMMs in inductor's forward and backward code and in the eager run."""
     from torch._inductor.utils import run_and_get_code
 
+    from bridge_cli.models.moe_dispatch import expert_pair_counters
     from bridge_cli.models.regional_compile import compile_layers
 
     trace_as_on_cuda(args.main_grad)
@@ -178,6 +179,7 @@ def layer_order(args) -> dict:
     eager_forward, eager_backward = EagerOrder(), EagerOrder()
     outputs, grads = forward_backward(models[0], eager_forward, eager_backward)
     model = models[1]
+    counters, _ = expert_pair_counters([model])  # made before the first compiled call, as the training logger does
     sites = GraphBreakSites()
     compile_layers([model])
     (their_outputs, their_grads), codes = run_and_get_code(lambda: forward_backward(model))
@@ -191,6 +193,7 @@ def layer_order(args) -> dict:
     backward = [code_events(code) for code in codes if "gemm" in code_events(code) and "tangents_" in code]
     return {"outputs": differences(their_outputs, outputs), "grads": differences(their_grads, grads),
             "graph_break_files": sorted(sites.files), "forward": forward, "backward": backward,
+            "pairs_counted": [int(counter.sum()) for counter in counters],
             "eager_forward": eager_forward.events, "eager_backward": eager_backward.events}
 
 

@@ -102,10 +102,12 @@ def test_compiled_moe_layer_keeps_the_overlap(tmp_path, chunks, main_grad):
     gather but the first is issued before the previous chunk's expert GEMMs and waited on after them, and every
     reduce-scatter but the last is issued before the next chunk's GEMMs and waited on after them; in the backward
     likewise, with each chunk's four GEMMs (two input gradients, two weight gradients, added into main_grad with
-    ``main_grad``). No graph breaks; compiled within bf16's rounding of the eager run (the CPU's grouped GEMM is bf16)."""
+    ``main_grad``). No graph breaks, with the log line's pair counters counting inside the compiled layers; compiled
+    within bf16's rounding of the eager run (the CPU's grouped GEMM is bf16)."""
     extra = ["--main-grad"] if main_grad else []
     for rank in measure(tmp_path, 2, "--ep", "2", "--chunks", str(chunks), "--layer-order", *extra):
         assert rank["graph_break_files"] == [], rank["graph_break_files"]
+        assert len(rank["pairs_counted"]) == 2 and all(pairs > 0 for pairs in rank["pairs_counted"]), rank
         assert all(found["relative"] < 1e-4 for found in rank["outputs"].values()), rank["outputs"]
         assert all(found["relative"] < 1e-2 for found in rank["grads"].values()), rank["grads"]
         assert len(rank["forward"]) == 1 and len(rank["backward"]) >= 1  # one forward code for both layers

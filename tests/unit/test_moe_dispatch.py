@@ -136,19 +136,24 @@ def test_the_pair_counter_lives_where_the_layer_is_when_the_log_reads_it(one_pro
     ``model.use_cpu_initialization`` the layers are built on the host and moved after the dispatcher is installed, so
     the counter is made when the logger asks for it, beside the layer's parameters then (the first EP run on GPUs
     built it on the host and failed in the compiled layer adding a device count to it)."""
-    from bridge_cli.models.moe_dispatch import expert_pair_counters
+    from bridge_cli.models.moe_dispatch import PAIR_SLOTS, expert_pair_counters
 
     model = build(moe_router_topk=2)
     mlp = moe_layers(model)[0]
     mlp.token_dispatcher = holding_experts_0_to_3(mlp)
     assert mlp.token_dispatcher.pairs is None  # nothing counted before anyone reads
     counters, group = expert_pair_counters([model])
-    assert len(counters) == 1 and group is mlp.token_dispatcher.tp_ep_group and int(counters[0]) == 0
+    assert len(counters) == 1 and group is mlp.token_dispatcher.tp_ep_group and not counters[0].any()
     routing_map = torch.zeros(6, 8, dtype=torch.bool)
     routing_map[:, 0] = routing_map[:3, 5] = routing_map[3:, 2] = True  # pairs on experts 0-3: 6 + 3
     hidden, probs = torch.randn(6, 1, 64), torch.rand(6, 8) * routing_map
-    mlp.token_dispatcher.dispatch_postprocess(*mlp.token_dispatcher.dispatch_preprocess(hidden, routing_map, probs))
-    assert int(counters[0]) == 9
+    dispatcher = mlp.token_dispatcher
+    for _ in range(2):  # two micro-batches: an entry each, so ranks are compared exchange by exchange
+        dispatcher.dispatch_postprocess(*dispatcher.dispatch_preprocess(hidden, routing_map, probs))
+    assert counters[0][:3].tolist() == [9, 9, 0] and int(counters[0].sum()) == 18
+    for _ in range(PAIR_SLOTS - 1):  # past the last entry the exchanges add into the first ones again
+        dispatcher.dispatch_postprocess(*dispatcher.dispatch_preprocess(hidden, routing_map, probs))
+    assert counters[0][:3].tolist() == [18, 9, 9] and int(dispatcher.exchange) == 1
     model.to("meta")  # where the model goes after the dispatcher was installed
     (counter,), _ = expert_pair_counters([model])
     assert counter.device.type == "meta" and mlp.token_dispatcher.pairs is counter
