@@ -52,7 +52,7 @@ def load(optimizer, loaded: dict) -> None:
     """Load ``loaded`` (what ``dist_checkpointing.load`` filled in for ``optimizer.sharded_state_dict``, with the
     checkpoint's common state merged in) into ``optimizer``, a DistributedOptimizer or a chain of them, whose
     torch state exists already (a template for loading is built from it)."""
-    from bridge_cli.checkpoint.optimizer_by_name import members
+    from bridge_cli.runtime.optimizer_chain import members
 
     chain = members(optimizer)
     step = _saved_step(loaded)

@@ -31,6 +31,7 @@ from bridge_cli.checkpoint import distributed_optimizer, layout, optimizer_by_na
 from bridge_cli.checkpoint.adapters import AdapterPolicy
 from bridge_cli.checkpoint.errors import CheckpointError
 from bridge_cli.checkpoint.save import NON_PERSISTENT
+from bridge_cli.runtime import optimizer_chain
 from bridge_cli.runtime.fsdp import load_model_state, restore_sharded_optimizer_state, shard_saved_main_weights
 
 
@@ -372,7 +373,7 @@ def _initialize_optimizer_state(optimizer) -> None:
     With torch's Adam (no Transformer Engine / Apex) that state exists only after a first step; the
     values this dummy step writes are all overwritten by the load.
     """
-    for member in optimizer_by_name.members(optimizer):
+    for member in optimizer_chain.members(optimizer):
         initialize = getattr(member, "_init_optimizer_states_with_dummy_values", None)
         if initialize is not None and not member.optimizer.state:
             initialize()
@@ -389,7 +390,7 @@ def _load_optimizer(optimizer, saved, state, sharding: Optional[str] = None) -> 
     # With torch's Adam, megatron-core's DistributedOptimizer saves the step count in each param
     # group and, loading, leaves the per-parameter "step" tensors at their placeholder value (and
     # shared between parameters): set each from its group.
-    for member in optimizer_by_name.members(optimizer):
+    for member in optimizer_chain.members(optimizer):
         inner = getattr(member, "optimizer", None)
         for group in getattr(inner, "param_groups", []):
             for param in group["params"]:

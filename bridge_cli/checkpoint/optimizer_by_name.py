@@ -20,10 +20,7 @@ from typing import Any, Optional
 
 import torch
 
-
-def members(optimizer) -> list:
-    """The megatron-core optimizers inside ``optimizer`` (one, or a chain's members)."""
-    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+from bridge_cli.runtime.optimizer_chain import members
 
 
 def supported(optimizer) -> bool:

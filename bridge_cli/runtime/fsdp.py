@@ -27,6 +27,7 @@ import functools
 from typing import Any
 
 from bridge_cli.config.errors import ConfigError
+from bridge_cli.runtime import optimizer_chain
 from bridge_cli.runtime.errors import RuntimeUnavailable
 
 TORCH_FSDP2 = "dist.use_torch_fsdp2"
@@ -354,7 +355,7 @@ def restore_sharded_optimizer_state(optimizer) -> None:
     shard is made a DTensor of its parameter's mesh and placements again. Nothing to do without FSDP2."""
     from torch.distributed.tensor import DTensor
 
-    for member in getattr(optimizer, "chained_optimizers", [optimizer]):
+    for member in optimizer_chain.members(optimizer):
         inner = getattr(member, "optimizer", None)
         for param, state in getattr(inner, "state", {}).items():
             if not isinstance(param, DTensor):
@@ -374,7 +375,7 @@ def shard_saved_main_weights(optimizer, saved) -> None:
     a chained optimizer. Nothing to do without FSDP2 or with fp32 weights (no main copies)."""
     from torch.distributed.tensor import DTensor
 
-    members = getattr(optimizer, "chained_optimizers", [optimizer])
+    members = optimizer_chain.members(optimizer)
     if len(members) == 1:
         states = [saved]
     else:  # megatron-core's ChainedOptimizer reads a dict of them in its keys' order

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from bridge_cli.runtime import optimizer_chain
 from bridge_cli.runtime.errors import RuntimeUnavailable
 from bridge_cli.runtime.grad_norm import clip_inside_fused_adam, use_foreach_clip_grads
 from bridge_cli.runtime.triton_adam import set_torch_kernel, torch_adams, use_triton_adam
@@ -46,7 +47,7 @@ def build_optimizer(
 
     apply_cpu_patches()
     optimizer = get_megatron_optimizer(optimizer_config, model_chunks, use_gloo_process_groups=runtime.gloo_groups)
-    members = getattr(optimizer, "chained_optimizers", [optimizer])
+    members = optimizer_chain.members(optimizer)
     if not all(isinstance(opt, (CPUChainedOptimizer, CPUFP32Optimizer)) for opt in members):
         raise RuntimeUnavailable(
             f"megatron-core built a {type(optimizer).__name__} that needs CUDA; this version of "

@@ -25,6 +25,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 
+from bridge_cli.runtime import optimizer_chain
 from bridge_cli.runtime.fsdp import local_shard
 from bridge_cli.runtime.grad_norm import clip_inside_adam, pop_kept_coefficients
 from bridge_cli.runtime.triton_support import available as triton_available
@@ -52,7 +53,7 @@ def use_triton_adam(optimizer) -> None:
 def torch_adams(optimizer) -> Iterator[tuple[Any, torch.optim.Adam]]:
     """Each member of megatron-core's ``optimizer`` that steps a torch Adam/AdamW, with that Adam (Transformer
     Engine's and Apex's FusedAdam are no torch Adam)."""
-    for member in getattr(optimizer, "chained_optimizers", [optimizer]):
+    for member in optimizer_chain.members(optimizer):
         inner = getattr(member, "optimizer", None)
         if isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
             yield member, inner
