@@ -155,12 +155,18 @@ def test_expert_parallel_two_over_nccl_follows_one_gpu():
 @pytest.mark.skipif(not _two_gpus(), reason="needs 2 GPUs")
 def test_expert_parallel_two_with_compiled_layers_follows_one_gpu():
     """bridge's dispatcher keeps every count on the GPU, so the MoE layers compile under EP (no graph break
-    allowed in them)."""
+    allowed in them), and every MoE layer runs the same graph: no recompilation names what megatron-core's routers
+    record per layer (their layer number, the loss tracker's entries) nor the log line's pair counters (on 4 H100s
+    with megatron-core 0.19.2 these compiled the MoE layer once per layer, then once more for the tracker)."""
     compiled = ["model.compile_layers=true", "model.gradient_accumulation_fusion=false"]
     one = bridge("pretrain", *TWO_GPU_RUN)
-    ep = torchrun(2, "pretrain", *TWO_GPU_RUN, EP2, *compiled, env={"TORCH_LOGS": "graph_breaks"})
+    ep = torchrun(2, "pretrain", *TWO_GPU_RUN, EP2, *compiled, env={"TORCH_LOGS": "graph_breaks,recompiles"})
     assert one.returncode == 0 and ep.returncode == 0, (one.stderr[-2000:], ep.stderr[-2000:])
     assert "Graph break" not in ep.stderr, ep.stderr[-3000:]
+    reasons = [line for line in ep.stderr.splitlines() if "__recompiles" in line]
+    per_layer = [line for line in reasons if any(name in line for name in (
+        "layer_number", "load_balancing_loss", "z_loss", "_metrics", "pairs", "exchange"))]
+    assert not per_layer, "\n".join(reasons)
     assert losses(ep.stdout) == pytest.approx(losses(one.stdout), rel=2e-2)
 
 
