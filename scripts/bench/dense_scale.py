@@ -235,12 +235,14 @@ def main() -> None:
     warm_file_cache(bool(args.titan))
     results: dict[str, dict] = {}
     print(f"{args.recipe} on {args.gpus} GPU(s), {args.iters} iterations\n{header}", flush=True)
-    for name, measure in runs.items():  # each row as its run ends, so a cut-off command still reports
+    for name, measure in runs.items():  # each row and launch as its run ends, so a cut-off command still reports
         try:
             results[name] = measure()
         except RunFailed as failure:  # its command and the end of its output went to stderr
             results[name] = {"error": str(failure)}
         print(line(name, results[name], results.get("torchtitan")), flush=True)
+        if "error" not in results[name]:
+            print("  " + launch_line(name, results[name]), flush=True)
     print(f"\n{header}")
     for name, r in results.items():
         print(line(name, r, results.get("torchtitan")))

@@ -403,8 +403,11 @@ def test_dense_scale_on_the_cpu():
     for r in (tp2, fsdp2):
         assert r["tok_s_gpu"] > 0 and r["wall_s"] > r["to_first_step_s"] > 0, r
     assert re.search(r"^bridge tp2 +[0-9.]+ +[0-9,]+ .* [0-9.]+$", out, re.M), out
-    assert re.search(r"^  bridge tp2 \(world 2 = TP 2 x PP 1 x CP 1 x DP 1\): [0-9.]+ s = -?[0-9.]+ torchrun, "
-                     r"interpreters \+ [0-9.]+ start-up \(.*imports.*\) \+ [0-9.]+ first iteration$", out, re.M), out
+    launch = re.compile(r"^  bridge tp2 \(world 2 = TP 2 x PP 1 x CP 1 x DP 1\): [0-9.]+ s = -?[0-9.]+ torchrun, "
+                        r"interpreters \+ [0-9.]+ start-up \(.*imports.*\) \+ [0-9.]+ first iteration$", re.M)
+    found = [m.start() for m in launch.finditer(out)]
+    # as its run ends (a command cut off later keeps it), and again in the summary after the table
+    assert len(found) == 2 and found[0] < out.index("\n\nrun ") < found[1], out
 
 
 @pytest.mark.parametrize("layout, verdict", [("tp2", "fits"), ("fsdp2", "fits"), ("mfsdp", "fits"),
