@@ -135,11 +135,11 @@ class DeepseekV2(DeepseekV3):
 
     def hf_extras(self, model: Mapping[str, Any]) -> dict[str, Any]:
         if not model.get("num_moe_experts"):
-            return {"attention_bias": False}
+            return {"attention_bias": False, **self.layer_config(model)}
         expert, groups = model["moe_ffn_hidden_size"], model.get("moe_router_num_groups")
         config = {key: value for key, value in self.moe_config(model).items() if key != "router_aux_loss_coef"}
         coeff = model.get("moe_aux_loss_coeff")
-        return {"attention_bias": False, **config, "moe_intermediate_size": expert,
+        return {"attention_bias": False, **self.layer_config(model), **config, "moe_intermediate_size": expert,
                 "n_shared_experts": model["moe_shared_expert_intermediate_size"] // expert,
                 "routed_scaling_factor": float(model.get("moe_router_topk_scaling_factor") or 1.0),
                 "topk_method": "group_limited_greedy" if groups else "greedy",

@@ -10,50 +10,31 @@ no-RoPE key, then value) is ``linear_kv_up_proj``; the latent norms ``q_a_layern
 which takes the even then the odd channels. YaRN's ``mscale``/``mscale_all_dim`` give both the cos/sin scale and
 the softmax scale correction (``mscale_all_dim``'s squared), as in transformers.
 
-The router is megatron-core's with ``moe_router_score_function: sigmoid`` on fp32 logits (``moe_router_dtype:
-fp32``), ``e_score_correction_bias`` as its expert bias (``router.expert_bias``, which only chooses the experts),
-group-limited top-k (``n_group``/``topk_group`` as ``moe_router_num_groups``/``moe_router_group_topk``: both score
-a group by the sum of its top two experts where ``num_experts_per_tok / topk_group`` is 2, megatron-core's rule),
-the chosen scores renormalised (``norm_topk_prob``) and times ``routed_scaling_factor``
-(``moe_router_topk_scaling_factor``); the ``n_shared_experts`` shared experts are one shared expert of their summed
-FFN size, added without a gate.
-
-The ``num_nextn_predict_layers`` multi-token-prediction layers of a Hub checkpoint (``model.layers.<num_hidden_layers
-+ k>``, which transformers' model does not build, so its own saves leave them out) are megatron-core's MTP block
-(``mtp_num_layers``): ``enorm``, ``hnorm``, ``eh_proj`` (embedding half first, as both concatenate) and
-``shared_head.norm`` are ``mtp.layers.<k>.``'s ``enorm``, ``hnorm``, ``eh_proj`` and ``final_layernorm``, the rest a
-decoder layer's tensors under ``transformer_layer``, which megatron-core builds like the decoder's last. Each layer's
-``embed_tokens`` and ``shared_head.head`` are copies of the model's embedding and output head, which megatron-core's
-MTP block shares: import checks they are equal, export writes them back.
+The MoE layers, their router and the Hub's multi-token-prediction layers are :mod:`deepseek_moe`'s.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Collection, Mapping, Optional
+from typing import Any, Mapping, Optional
 
 from bridge_cli.convert import hf_config, yarn
-from bridge_cli.convert.families.llama_like import INERT_KEYS, LLAMA_STYLE, LlamaLike
-from bridge_cli.convert.families.moe import MOE_INERT_KEYS, MoELike, moe_fixed
+from bridge_cli.convert.families.deepseek_moe import ROUTED, ROUTING_KEYS, DeepSeekMoE
+from bridge_cli.convert.families.llama_like import INERT_KEYS, LLAMA_STYLE
+from bridge_cli.convert.families.moe import MOE_INERT_KEYS, moe_fixed
 from bridge_cli.convert.hf_config import unsupported
-from bridge_cli.convert.hf_weights import Architecture, Layout, Pair, moe_layer_pattern
+from bridge_cli.convert.hf_weights import Architecture, Pair
 
 MLA_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
             "max_position_embeddings", "hidden_act", "rms_norm_eps", "tie_word_embeddings", "rope_parameters",
             "attention_dropout", "initializer_range", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
             "qk_rope_head_dim", "v_head_dim", "first_k_dense_replace")
 """The config.json keys of the attention and the dense layers that the family reads into the model's fields."""
-ROUTING_KEYS = ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "n_shared_experts",
-                "routed_scaling_factor", "n_group", "topk_group", "norm_topk_prob")
-"""The config.json keys of the MoE layers that the family reads."""
 DENSE_FIXED = {**LLAMA_STYLE, "add_qkv_bias": False, "multi_latent_attention": True, "qk_layernorm": True}
 """The fixed fields of the attention and the dense layers."""
-ROUTED = {"moe_router_num_groups", "moe_router_group_topk", "moe_router_topk_scaling_factor",
-          "moe_shared_expert_intermediate_size"}
-"""MoE fields config.json sets (MOE_FIXED fixes them for the other MoE families)."""
 
 
-class DeepseekV3(MoELike):
+class DeepseekV3(DeepSeekMoE):
     model_type = "deepseek_v3"
     architecture = "DeepseekV3ForCausalLM"
     models = ("DeepSeek-V3, Kimi K2, Moonlight: multi-latent attention (q_lora_rank set or null, YaRN with "
@@ -73,61 +54,6 @@ class DeepseekV3(MoELike):
     # pretraining_tp: transformers 5 ignores it; num_key_value_heads: MLA expands the latent into every head's key
     # and value (transformers' SDPA attention reads the head count from them)
     inert_keys = (*INERT_KEYS, "pretraining_tp", "num_key_value_heads", *MOE_INERT_KEYS)
-    experts_key = "n_routed_experts"
-    all_layers_moe = False
-
-    def fields(self, hf: Mapping[str, Any], where: Path, seq_length=None) -> dict[str, Any]:
-        if any(self.moe_layers(hf, where, hf_config.getter(hf, where)("num_hidden_layers"))):
-            return super().fields(hf, where, seq_length)
-        # every layer dense: the Llama layout's fields, none of the router's
-        dense = LlamaLike.fields(self, hf, where, seq_length)
-        return {key: value for key, value in dense.items() if not key.startswith("moe_")}
-
-    def tensor_fields(self, hf: Mapping[str, Any], where: Path, fields: Mapping[str, Any],
-                      tensors: Collection[str]) -> dict[str, Any]:
-        """``mtp_num_layers``: config.json's ``num_nextn_predict_layers`` where the folder holds those layers (the
-        Hub's releases), else none (transformers' saves, which drop them)."""
-        depth, layers = hf.get("num_nextn_predict_layers") or 0, fields["num_layers"]
-        if not depth or f"{self.hf_layers}.{layers}.eh_proj.weight" not in tensors:
-            return {"mtp_num_layers": None}
-        dense = hf.get("first_k_dense_replace")
-        if layers <= dense < layers + depth:
-            unsupported(where, f"first_k_dense_replace {dense} with {layers} layers and {depth} multi-token-prediction "
-                               "layers: DeepSeek's MTP layers past it are MoE layers, megatron-core builds every MTP "
-                               "layer like the decoder's last, a dense one")
-        return {"mtp_num_layers": depth}
-
-    def moe_layers(self, hf: Mapping[str, Any], where: Path, num_layers: int) -> list[bool]:
-        dense = hf.get("first_k_dense_replace")
-        if not isinstance(dense, int) or dense < 0:
-            unsupported(where, f"first_k_dense_replace {dense!r}: a count of layers (0 or more) is needed")
-        return [i >= dense for i in range(num_layers)]
-
-    def router_fields(self, hf: Mapping[str, Any], where: Path, topk: int) -> dict[str, Any]:
-        get = hf_config.getter(hf, where)
-        experts, groups, shared = get("n_routed_experts"), hf.get("n_group") or 1, hf.get("n_shared_experts")
-        if topk > 1 and not hf.get("norm_topk_prob"):
-            unsupported(where, "norm_topk_prob false: megatron-core renormalises the chosen sigmoid scores")
-        if topk == 1 and hf.get("norm_topk_prob"):
-            unsupported(where, "norm_topk_prob with num_experts_per_tok 1 (each token's expert weighs "
-                               "routed_scaling_factor)", "megatron-core's sigmoid router at top-1 keeps the score.")
-        scale = hf.get("routed_scaling_factor")
-        if not isinstance(scale, (int, float)) or scale <= 0:
-            unsupported(where, f"routed_scaling_factor {scale!r}: a positive number is needed")
-        fields = {"moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
-                  "moe_router_dtype": "fp32", "moe_router_topk_scaling_factor": float(scale),
-                  "moe_router_num_groups": None, "moe_router_group_topk": None}
-        if groups > 1:
-            group_topk = get("topk_group")
-            if experts % groups or topk % group_topk or topk // group_topk != 2:
-                unsupported(where, f"n_group {groups}, topk_group {group_topk} with {experts} experts, top-{topk}: "
-                                   "transformers scores a group by its top two experts, megatron-core by its top "
-                                   "num_experts_per_tok / topk_group, so that ratio must be 2 (and n_group divide "
-                                   "n_routed_experts)")
-            fields.update(moe_router_num_groups=groups, moe_router_group_topk=group_topk)
-        if not isinstance(shared, int) or shared < 1:
-            unsupported(where, f"n_shared_experts {shared!r}: transformers' DeepSeek-V3 MoE layer has at least one")
-        return {**fields, "moe_shared_expert_intermediate_size": shared * get("moe_intermediate_size")}
 
     def shape(self, hf: Mapping[str, Any], where: Path) -> dict[str, Any]:
         get = hf_config.getter(hf, where)
@@ -187,15 +113,7 @@ class DeepseekV3(MoELike):
     # model fields -> config.json
 
     def differences(self, model: Mapping[str, Any]) -> list[str]:
-        if model.get("num_moe_experts"):
-            out = super().differences(model)
-            pattern = moe_layer_pattern(model.get("moe_layer_freq", 1), model["num_layers"])
-            if list(pattern) != sorted(pattern):  # DeepSeek's dense layers come first
-                out.append(f"model.moe_layer_freq={model.get('moe_layer_freq')}")
-            if not model.get("moe_shared_expert_intermediate_size"):
-                out.append("model.moe_shared_expert_intermediate_size=None")
-        else:  # a dense model: the router's fields do not matter
-            out = [line for line in LlamaLike.differences(self, model) if not line.startswith("model.moe_")]
+        out = super().differences(model)
         if model.get("apply_rope_fusion"):
             out.append("model.apply_rope_fusion=True")
         return out
@@ -203,14 +121,11 @@ class DeepseekV3(MoELike):
     def hf_config(self, model: Mapping[str, Any]) -> dict[str, Any]:
         config = {key: value for key, value in super().hf_config(model).items()
                   if key not in ("head_dim", "mlp_bias", "rope_scaling")}
-        layers = model["num_layers"]
-        pattern = moe_layer_pattern(model.get("moe_layer_freq", 1), layers) if model.get("num_moe_experts") else ()
         return {**config, "num_key_value_heads": model["num_attention_heads"],
                 "q_lora_rank": model["q_lora_rank"], "kv_lora_rank": model["kv_lora_rank"],
                 "qk_nope_head_dim": model["qk_head_dim"], "qk_rope_head_dim": model["qk_pos_emb_head_dim"],
-                "v_head_dim": model["v_head_dim"], "first_k_dense_replace": layers - sum(pattern),
-                "rope_interleave": True, "rope_scaling": self.hf_rope_scaling(model),
-                "num_nextn_predict_layers": model.get("mtp_num_layers") or 0}
+                "v_head_dim": model["v_head_dim"], "rope_interleave": True,
+                "rope_scaling": self.hf_rope_scaling(model)}
 
     def hf_rope_scaling(self, model: Mapping[str, Any]) -> Optional[dict[str, Any]]:
         if model.get("rope_type", "yarn") != "yarn":
@@ -222,50 +137,9 @@ class DeepseekV3(MoELike):
                 **({"mscale": model["mscale"], "mscale_all_dim": mscale_all_dim} if mscale_all_dim else {})}
 
     def hf_extras(self, model: Mapping[str, Any]) -> dict[str, Any]:
-        if not model.get("num_moe_experts"):
-            return {"attention_bias": False}
-        expert = model["moe_ffn_hidden_size"]
-        return {"attention_bias": False, **self.moe_config(model), "moe_intermediate_size": expert,
-                "n_shared_experts": model["moe_shared_expert_intermediate_size"] // expert,
-                "routed_scaling_factor": float(model.get("moe_router_topk_scaling_factor") or 1.0),
-                "n_group": model.get("moe_router_num_groups") or 1, "topk_group": model.get("moe_router_group_topk") or 1,
-                "norm_topk_prob": True}
+        return {"attention_bias": False, **self.layer_config(model), **self.routing_config(model)}
 
     # tensors
-
-    def pairs(self, arch: Architecture) -> list[Pair]:
-        """The Llama layout's, and the multi-token-prediction layers' between the final norm and the output layer
-        (megatron-core's order); their copies of the embedding and output head go with the model's."""
-        out = super().pairs(arch)
-        if not arch.mtp_layers:
-            return out
-        hf = [f"{self.hf_layers}.{arch.num_layers + k}." for k in range(arch.mtp_layers)]
-        embeds, heads = [p + "embed_tokens.weight" for p in hf], [p + "shared_head.head.weight" for p in hf]
-        embedding, *body = out
-        output = [] if arch.tied else [body.pop()]
-        mtp = [pair for k, p in enumerate(hf) for pair in self.mtp_pairs(arch, f"mtp.layers.{k}.", p)]
-        return [self.shared(embedding, embeds + (heads if arch.tied else []), arch), *body, *mtp,
-                *(self.shared(pair, heads, arch) for pair in output)]
-
-    @staticmethod
-    def shared(pair: Pair, copies: list[str], arch: Architecture) -> Pair:
-        """``pair`` (the embedding or the output layer) with the Hugging Face ``copies`` of its tensor."""
-        return Pair(pair.mcore, (*pair.hf, *((name, (arch.vocab_size, arch.hidden_size)) for name in copies)),
-                    Layout.SHARED)
-
-    def mtp_pairs(self, arch: Architecture, m: str, p: str) -> list[Pair]:
-        """One multi-token-prediction layer: megatron-core names under ``m``, Hugging Face's under ``p``; its
-        transformer layer is built like the decoder's last."""
-        h = arch.hidden_size
-        return [*self.norm_pairs(arch, m + "enorm", p + "enorm"), *self.norm_pairs(arch, m + "hnorm", p + "hnorm"),
-                Pair(m + "eh_proj.weight", ((p + "eh_proj.weight", (h, 2 * h)),)),
-                *self.layer_pairs(arch, arch.num_layers - 1, m + "transformer_layer.", p),
-                *self.norm_pairs(arch, m + "final_layernorm", p + "shared_head.norm")]
-
-    def feed_forward_pairs(self, arch: Architecture, layer: int, m: str, p: str) -> list[Pair]:
-        if not arch.num_experts:  # every layer dense
-            return self.mlp_pairs(arch, m, p)
-        return super().feed_forward_pairs(arch, layer, m, p)
 
     def attention_pairs(self, arch: Architecture, m: str, p: str) -> list[Pair]:
         mla, h = arch.mla, arch.hidden_size
