@@ -139,13 +139,21 @@ MODELS = {
         first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=3, topk_method="group_limited_greedy",
         n_group=4, topk_group=2, moe_intermediate_size=48, n_shared_experts=2, routed_scaling_factor=2.5,
         tie_word_embeddings=False, rope_scaling={**DEEPSEEK_YARN, "mscale": 0.707, "mscale_all_dim": 0.707}), None),
+    # GLM-4.5: q/k/v biases, per-head q/k norms, head_dim (32) other than hidden/heads (16), RoPE on the first half of
+    # each head (its halves, not interleaved); a dense first layer, then an MoE layer as DeepSeek-V3's: sigmoid
+    # scores, expert bias (random), top-2 of the best of 2 groups, renormalised, times 2.5, one shared expert
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", dict(
+        vocab_size=512, head_dim=32, attention_bias=True, use_qk_norm=True, partial_rotary_factor=0.5,
+        rope_theta=1000000.0, first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2, n_group=2,
+        topk_group=1, moe_intermediate_size=48, n_shared_experts=1, routed_scaling_factor=2.5,
+        tie_word_embeddings=False), None),
 }
 WINDOWS = {"mistral": ([7, 0], [1, 1]), "mixtral": ([7, 0], [1, 1]), "phi3": ([7, 0], [1, 1]),
            "starcoder2": ([7, 0], [1, 1]), "qwen3_moe": ([7, 0], [1, 1]), "qwen2": ([7, 0], [0, 1]),
            "qwen3": ([7, 0], [0, 1]), "qwen2_moe": ([7, 0], [1, 0]), "gemma3_text": ([7, 0], [1, 0]),
            "gemma2": ([7, 0], [1, 0]), "gpt_oss": ([7, 0], [1, 0])}
 """The imported models' window_size and window_attn_skip_freq (sliding_window 8: the query and 7 keys before it)."""
-MOE = ("mixtral", "qwen3_moe", "olmoe", "gpt_oss", "qwen2_moe", "deepseek_v3", "deepseek_v2")
+MOE = ("mixtral", "qwen3_moe", "olmoe", "gpt_oss", "qwen2_moe", "deepseek_v3", "deepseek_v2", "glm4_moe")
 """The mixture-of-experts families, loaded at EP=2 too (and at TP=2 with their experts split, GPT-OSS's biased
 ones excepted: megatron-core computes those at expert TP 1)."""
 
@@ -338,14 +346,15 @@ def test_import_writes_a_checkpoint_and_recipe_in_the_project_layout(imported):
         assert recipe["checkpoint"]["pretrained_checkpoint"] == str(folder.resolve())
         assert recipe["checkpoint"]["export_hf_model_type"] == name  # the family export-hf writes back
         assert model["add_qkv_bias"] == (name in ("qwen2", "gpt_oss", "starcoder2", "qwen2_moe", "glm4", "stablelm",
-                                                  "gpt2", "seed_oss"))
+                                                  "gpt2", "seed_oss", "glm4_moe"))
         assert model["share_embeddings_and_output_weights"] == (name in ("qwen2", "gemma3_text", "gemma2", "gemma",
                                                                          "starcoder2", "gpt2"))
         assert model.get("rope_scaling") == (None if name == "gpt2" else name == "llama")
         assert model["qk_layernorm"] == (name in ("qwen3", "qwen3_moe", "olmoe", "gemma3_text", "olmo2", "deepseek_v3",
-                                                  "deepseek_v2"))
+                                                  "deepseek_v2", "glm4_moe"))
         assert model.get("num_moe_experts") == ({"deepseek_v2": 8}.get(name, 4) if name in MOE else None)
-        assert model.get("rotary_percent") == {"phi3": 0.5, "glm4": 0.5, "stablelm": 0.25, "gpt2": None}.get(name, 1.0)
+        assert model.get("rotary_percent") == {"phi3": 0.5, "glm4": 0.5, "stablelm": 0.25, "gpt2": None,
+                                               "glm4_moe": 0.5}.get(name, 1.0)
         assert model.get("rotary_interleaved", False) == (name == "glm4")
         assert model["seq_length"] == 128  # a sliding window (8) caps it no longer
         assert (model.get("window_size"), model.get("window_attn_skip_freq")) == WINDOWS.get(name, (None, None))
@@ -393,6 +402,11 @@ def test_import_writes_a_checkpoint_and_recipe_in_the_project_layout(imported):
             v2["moe_router_enable_expert_bias"], v2["moe_router_num_groups"], v2["moe_router_group_topk"],
             v2["moe_router_topk_scaling_factor"], v2["moe_shared_expert_intermediate_size"], v2["mtp_num_layers"],
             v2["mscale"], v2["mscale_all_dim"]) == ("softmax", True, "fp32", False, 4, 2, 2.5, 96, None, 0.707, 0.707)
+    glm4_moe = yaml.safe_load((imported["glm4_moe"] / "recipe.yaml").read_text())["model"]
+    assert (glm4_moe["kv_channels"], glm4_moe["moe_router_score_function"], glm4_moe["moe_router_enable_expert_bias"],
+            glm4_moe["moe_router_num_groups"], glm4_moe["moe_router_topk_scaling_factor"],
+            glm4_moe["moe_shared_expert_intermediate_size"], glm4_moe["moe_layer_freq"], glm4_moe["rotary_base"]) == (
+        32, "sigmoid", True, 2, 2.5, 48, [0, 1], 1000000)
     gpt_oss = yaml.safe_load((imported["gpt_oss"] / "recipe.yaml").read_text())["model"]
     assert (gpt_oss["position_embedding_type"], gpt_oss["yarn_rotary_scaling_factor"],
             gpt_oss["yarn_correction_range_round_to_int"]) == ("yarn", 32.0, False)
@@ -594,6 +608,10 @@ def test_import_errors_name_the_problem_and_leave_no_output(cli, broken, tmp_pat
     ("deepseek_v2", dict(norm_topk_prob=True), ["norm_topk_prob true: transformers' DeepSeek-V2 router does not"]),
     ("deepseek_v2", dict(moe_layer_freq=2), ["moe_layer_freq 2"]),
     ("deepseek_v2", dict(scoring_func="sigmoid"), ["scoring_func 'sigmoid'"]),
+    ("glm4_moe", dict(norm_topk_prob=False), ["norm_topk_prob false: megatron-core renormalises"]),
+    ("glm4_moe", dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0,
+                                       "partial_rotary_factor": 0.5}),
+     ["RoPE scaling 'linear': bridge converts a glm4_moe model with plain RoPE"]),
 ])
 def test_import_refuses_what_megatron_core_cannot_compute(cli, hf_dirs, tmp_path, name, changes, fragments):
     folder = tmp_path / "hf"

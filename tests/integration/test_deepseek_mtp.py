@@ -3,7 +3,8 @@
 embedding and the output head), which transformers' model does not build. import-hf maps it onto megatron-core's MTP
 block (``model.mtp_num_layers``), export-hf writes it back.
 
-The folder here is test_convert_hf's deepseek_v3 row (a dense layer, then an MoE layer) with one MTP layer, built as
+GLM-4.5 (``glm4_moe``) took the same layer and names; every test here runs for both families. The folder is
+test_convert_hf's deepseek_v3 or glm4_moe row (a dense layer, then an MoE layer) with one MTP layer, built as
 DeepSeek releases it: the decoder layer of a third, MoE, transformers layer and random MTP tensors. transformers
 ignores the MTP layer for the model's logits, so those stay test_convert_hf's; here megatron-core's MTP logits, at
 TP=1, TP=2 and EP=2, equal the ones computed by hand from the Hugging Face tensors with transformers' modules (the
@@ -23,7 +24,7 @@ import torch
 import yaml
 
 from tests.conftest import REPO, bridge, python
-from tests.integration.test_convert_hf import ATOL, MODELS, OWN_SHAPE, WORKER, ok, safetensors_of
+from tests.integration.test_convert_hf import ATOL, MODELS, OWN_SHAPE, SHAPE, WORKER, ok, safetensors_of
 from tests.integration.test_pretrain_cpu import losses
 
 transformers = pytest.importorskip("transformers")
@@ -32,15 +33,21 @@ from safetensors.torch import save_file  # noqa: E402  (installed with transform
 LAYERS = 2
 """The decoder's layers; the MTP layer is Hugging Face's layer LAYERS."""
 MTP_ONLY = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight")
+FAMILIES_WITH_MTP = ("deepseek_v3", "glm4_moe")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
+@pytest.fixture(scope="module", params=FAMILIES_WITH_MTP)
+def family(request) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def work(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("deepseek_mtp")
+def work(tmp_path_factory, family) -> Path:
+    return tmp_path_factory.mktemp(f"mtp_{family}")
 
 
 @pytest.fixture(scope="module")
@@ -51,11 +58,11 @@ def tokens(work) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def hf_mtp(work, tokens) -> tuple[Path, torch.Tensor, torch.Tensor]:
+def hf_mtp(work, tokens, family) -> tuple[Path, torch.Tensor, torch.Tensor]:
     """(the folder, transformers' logits of the model, the MTP layer's logits computed by hand)."""
-    config_cls, model_cls, options, _ = MODELS["deepseek_v3"]
+    config_cls, model_cls, options, _ = MODELS[family]
     torch.manual_seed(0)
-    config = getattr(transformers, config_cls)(**{**OWN_SHAPE["deepseek_v3"], "num_hidden_layers": LAYERS + 1},
+    config = getattr(transformers, config_cls)(**{**OWN_SHAPE.get(family, SHAPE), "num_hidden_layers": LAYERS + 1},
                                                **options)
     model = getattr(transformers, model_cls)(config).float().eval()
     with torch.no_grad():
@@ -167,18 +174,18 @@ def test_an_imported_mtp_layer_trains(imported):
     assert len(mtp) == 6 and mtp[-1] < mtp[0], mtp
 
 
-def test_a_transformers_save_imports_without_mtp(tmp_path):
+@pytest.mark.parametrize("name", FAMILIES_WITH_MTP)
+def test_a_transformers_save_imports_without_mtp(tmp_path, name):
     """transformers' save_pretrained writes num_nextn_predict_layers (1 by default) but no MTP layer: the import has
     none (model.mtp_num_layers null, whatever the base recipe says) rather than refusing a missing tensor."""
     from bridge_cli.convert.families import FAMILIES
 
-    config = {"model_type": "deepseek_v3", **OWN_SHAPE["deepseek_v3"], **MODELS["deepseek_v3"][2],
-              "num_nextn_predict_layers": 1}
-    config.pop("rope_scaling")
+    config = {"model_type": name, **OWN_SHAPE.get(name, SHAPE), **MODELS[name][2], "num_nextn_predict_layers": 1}
+    config.pop("rope_scaling", None)
     where = tmp_path / "config.json"
-    assert FAMILIES["deepseek_v3"].model_fields(config, where, tensors=set())["mtp_num_layers"] is None
+    assert FAMILIES[name].model_fields(config, where, tensors=set())["mtp_num_layers"] is None
     with_layer = {f"model.layers.{LAYERS}.eh_proj.weight"}
-    assert FAMILIES["deepseek_v3"].model_fields(config, where, tensors=with_layer)["mtp_num_layers"] == 1
+    assert FAMILIES[name].model_fields(config, where, tensors=with_layer)["mtp_num_layers"] == 1
 
 
 @pytest.mark.slow

@@ -20,6 +20,7 @@ from bridge_cli.convert.families.gemma import Gemma
 from bridge_cli.convert.families.gemma2 import Gemma2
 from bridge_cli.convert.families.gemma3 import Gemma3
 from bridge_cli.convert.families.glm4 import Glm4
+from bridge_cli.convert.families.glm4_moe import Glm4Moe
 from bridge_cli.convert.families.gpt2 import Gpt2
 from bridge_cli.convert.families.deepseek_v2 import DeepseekV2
 from bridge_cli.convert.families.deepseek_v3 import DeepseekV3
@@ -44,12 +45,12 @@ FAMILIES: dict[str, LlamaLike] = {family.model_type: family
                                   for family in (Llama(), Mistral(), Qwen2(), Qwen3(), Phi3(),
                                                  Mixtral(), Qwen3Moe(), Olmoe(), Gemma3(), Gemma2(), GptOss(), Gemma(),
                                                  Starcoder2(), Olmo2(), Qwen2Moe(), Glm4(), StableLm(), Gpt2(),
-                                                 SeedOss(), Arcee(), DeepseekV3(), DeepseekV2())}
+                                                 SeedOss(), Arcee(), DeepseekV3(), DeepseekV2(), Glm4Moe())}
 """model_type -> its family, in the order export tries them."""
 
 INFERRED = ("llama", "mistral", "qwen2", "qwen3", "phi3",
             "mixtral", "qwen3_moe", "olmoe", "gemma3_text", "gemma2", "gpt_oss", "gemma", "starcoder2", "olmo2",
-            "qwen2_moe", "glm4", "stablelm", "gpt2", "arcee", "deepseek_v3", "deepseek_v2")
+            "qwen2_moe", "glm4", "stablelm", "gpt2", "arcee", "deepseek_v3", "deepseek_v2", "glm4_moe")
 """The families export picks without --model-type."""
 
 

@@ -152,6 +152,14 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "n_routed_experts": 64, "output_router_logits": False, "n_shared_experts": 2, "qk_nope_head_dim": 128,
         "qk_rope_head_dim": 64, "routed_scaling_factor": 1.0, "topk_group": None, "topk_method": "greedy",
         "norm_topk_prob": False, "v_head_dim": 128, "num_experts_per_tok": None, "moe_intermediate_size": 1407},
+    "glm4_moe": {"vocab_size": 151552, "hidden_size": 4096, "intermediate_size": 10944, "num_hidden_layers": 46,
+        "num_attention_heads": 96, "num_key_value_heads": 8, "hidden_act": "silu", "max_position_embeddings": 131072,
+        "initializer_range": 0.02, "rms_norm_eps": 1e-05, "use_cache": True, "tie_word_embeddings": False,
+        "rope_parameters": None, "attention_bias": False, "attention_dropout": 0.0, "moe_intermediate_size": 1408,
+        "num_experts_per_tok": 8, "output_router_logits": False, "n_shared_experts": 1, "n_routed_experts": 128,
+        "routed_scaling_factor": 1.0, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1,
+        "norm_topk_prob": True, "use_qk_norm": False, "bos_token_id": None, "eos_token_id": None,
+        "pad_token_id": None, "num_mtp_layers": 1},
 }
 """model_type -> each field of its transformers config class (beyond PreTrainedConfig's) and its default."""
 
@@ -162,6 +170,7 @@ ALIASES: dict[str, dict[str, str]] = {
              "num_hidden_layers": "n_layer"},
     "deepseek_v3": {"num_local_experts": "n_routed_experts", "num_mtp_layers": "num_nextn_predict_layers"},
     "deepseek_v2": {"num_experts": "n_routed_experts"},
+    "glm4_moe": {"num_local_experts": "n_routed_experts", "num_mtp_layers": "num_nextn_predict_layers"},
 }
 """model_type -> its config class's ``attribute_map``: a key config.json may use for another (transformers sets the
 other), so a field of the class named by the first holds the default of the second."""
@@ -171,6 +180,7 @@ ROPE_DEFAULTS: dict[str, tuple[float, Optional[float], dict[str, Any]]] = {
     "mixtral": (1_000_000.0, None, {}),
     "phi3": (10_000.0, 1.0, {}),
     "glm4": (10_000.0, 0.5, {}),
+    "glm4_moe": (10_000.0, 0.5, {}),
     "stablelm": (10_000.0, 0.25, {}),
     "gpt_oss": (150_000.0, None, {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
                                   "truncate": False, "original_max_position_embeddings": 4096}),
