@@ -126,3 +126,18 @@ def test_partial_rotary_factor_is_refused_where_the_family_rotates_whole_heads(m
     with pytest.raises(CheckpointError, match="partial_rotary_factor 0.5") as error:
         FAMILIES[model_type].model_fields(config, WHERE)
     assert "bridge cannot convert this model" in str(error.value)
+
+
+@pytest.mark.parametrize("bias, norm", [(False, False), (True, True), (True, False)])
+def test_glm4_moe_takes_its_biases_and_qk_norms_from_config_json_and_writes_them_back(bias, norm):
+    """GLM-4.5's q/k/v biases and per-head q/k norms are switches of config.json (absent: off, transformers'
+    defaults), not fixed as in the other families: the model's fields follow them, and export writes them back."""
+    family = FAMILIES["glm4_moe"]
+    config = {"model_type": "glm4_moe", **SHAPE, "n_routed_experts": 4, "num_experts_per_tok": 2, "head_dim": 16,
+              **({"attention_bias": True} if bias else {}), **({"use_qk_norm": True} if norm else {})}
+    fields = family.model_fields(config, WHERE)
+    assert (fields["add_qkv_bias"], fields["qk_layernorm"], fields["rotary_percent"]) == (bias, norm, 0.5)
+    model = {**fields, "params_dtype": "float32"}
+    assert family.differences(model) == []
+    written = family.hf_config(model)
+    assert (written["attention_bias"], written["use_qk_norm"], written["partial_rotary_factor"]) == (bias, norm, 0.5)
