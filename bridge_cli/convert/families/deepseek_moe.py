@@ -26,7 +26,7 @@ from typing import Any, Collection, Mapping
 
 from bridge_cli.convert import hf_config
 from bridge_cli.convert.families.llama_like import LlamaLike
-from bridge_cli.convert.families.moe import MoELike
+from bridge_cli.convert.families.moe import MoELike, moe_fixed
 from bridge_cli.convert.hf_config import unsupported
 from bridge_cli.convert.hf_weights import Architecture, Layout, Pair, moe_layer_pattern
 
@@ -37,6 +37,13 @@ layers' keys)."""
 ROUTED = {"moe_router_num_groups", "moe_router_group_topk", "moe_router_topk_scaling_factor",
           "moe_shared_expert_intermediate_size"}
 """MoE fields config.json sets (MOE_FIXED fixes them for the other MoE families)."""
+
+
+def sigmoid_router_fixed(dense: Mapping[str, Any]) -> dict[str, Any]:
+    """The fixed fields of a family whose attention and dense layers fix ``dense`` and whose MoE layers are
+    DeepSeek-V3's (the router's sigmoid scores and expert bias; config.json sets the rest of the router)."""
+    return {key: value for key, value in moe_fixed(dense, moe_router_score_function="sigmoid",
+                                                   moe_router_enable_expert_bias=True).items() if key not in ROUTED}
 
 
 class DeepSeekMoE(MoELike):

@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Any, Collection, Mapping
 
 from bridge_cli.convert import hf_config
-from bridge_cli.convert.families.deepseek_v3 import DENSE_FIXED, MLA_KEYS, ROUTED, DeepseekV3
+from bridge_cli.convert.families.deepseek_moe import ROUTED
+from bridge_cli.convert.families.deepseek_v3 import DENSE_FIXED, MLA_KEYS, DeepseekV3
 from bridge_cli.convert.families.llama_like import INERT_KEYS
 from bridge_cli.convert.families.moe import MOE_INERT_KEYS, moe_fixed
 from bridge_cli.convert.hf_config import unsupported

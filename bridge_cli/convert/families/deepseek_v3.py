@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from bridge_cli.convert import hf_config, yarn
-from bridge_cli.convert.families.deepseek_moe import ROUTED, ROUTING_KEYS, DeepSeekMoE
+from bridge_cli.convert.families.deepseek_moe import ROUTING_KEYS, DeepSeekMoE, sigmoid_router_fixed
 from bridge_cli.convert.families.llama_like import INERT_KEYS, LLAMA_STYLE
-from bridge_cli.convert.families.moe import MOE_INERT_KEYS, moe_fixed
+from bridge_cli.convert.families.moe import MOE_INERT_KEYS
 from bridge_cli.convert.hf_config import unsupported
 from bridge_cli.convert.hf_weights import Architecture, Pair
 
@@ -45,9 +45,7 @@ class DeepseekV3(DeepSeekMoE):
               "(megatron-core renormalises sigmoid scores), num_experts_per_tok / topk_group other than 2 with "
               "n_group above 1, multi-token-prediction layers whose embed_tokens or shared_head.head differ from the "
               "model's")
-    fixed = {key: value for key, value in moe_fixed(DENSE_FIXED, moe_router_score_function="sigmoid",
-                                                    moe_router_enable_expert_bias=True).items()
-             if key not in ROUTED}
+    fixed = sigmoid_router_fixed(DENSE_FIXED)
     # num_mtp_layers (config.json's num_nextn_predict_layers): mtp_num_layers where the folder holds those layers
     mapped_keys = (*MLA_KEYS, *ROUTING_KEYS, "num_mtp_layers")
     assumed = {"attention_bias": False, "rope_interleave": True}

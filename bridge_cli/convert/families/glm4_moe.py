@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from bridge_cli.convert import hf_config
-from bridge_cli.convert.families.deepseek_moe import ROUTED, ROUTING_KEYS, DeepSeekMoE
+from bridge_cli.convert.families.deepseek_moe import ROUTING_KEYS, DeepSeekMoE, sigmoid_router_fixed
 from bridge_cli.convert.families.llama_like import INERT_KEYS, LLAMA_KEYS, LLAMA_STYLE
-from bridge_cli.convert.families.moe import MOE_INERT_KEYS, moe_fixed
+from bridge_cli.convert.families.moe import MOE_INERT_KEYS
 from bridge_cli.convert.hf_config import unsupported
 
 FROM_CONFIG = ("add_qkv_bias", "qk_layernorm", "rotary_percent")
@@ -30,9 +30,7 @@ class Glm4Moe(DeepSeekMoE):
     limits = ("refuses RoPE scalings, norm_topk_prob false (megatron-core renormalises sigmoid scores), "
               "num_experts_per_tok / topk_group other than 2 with n_group above 1, multi-token-prediction layers "
               "whose embed_tokens or shared_head.head differ from the model's")
-    fixed = {key: value for key, value in moe_fixed(LLAMA_STYLE, moe_router_score_function="sigmoid",
-                                                    moe_router_enable_expert_bias=True).items()
-             if key not in ROUTED and key not in FROM_CONFIG}
+    fixed = {key: value for key, value in sigmoid_router_fixed(LLAMA_STYLE).items() if key not in FROM_CONFIG}
     # num_mtp_layers (config.json's num_nextn_predict_layers): mtp_num_layers where the folder holds those layers
     mapped_keys = (*LLAMA_KEYS, *ROUTING_KEYS, "first_k_dense_replace", "attention_bias", "use_qk_norm",
                    "num_mtp_layers")
