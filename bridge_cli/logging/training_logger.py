@@ -61,7 +61,8 @@ def memory_report(when: str, across_pipeline: bool = True) -> str:
 
 
 EP_LOAD = "moe/ep-load-max-over-mean"
-"""The busiest expert-parallel rank's (token, expert) pairs over its group's mean (bridge_cli/logging/expert_load.py)."""
+"""The expert work expert-parallel ranks wait for over the work they have, exchange by exchange
+(bridge_cli/logging/expert_load.py)."""
 
 
 class TrainingLogger:

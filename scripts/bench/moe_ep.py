@@ -44,7 +44,8 @@ from titan_harness import shape_flags
 
 LOSS = re.compile(r"^iteration\s+(\d+)/\d+ .*\| lm loss ([0-9.]+) ", re.M)
 EP_LOAD = re.compile(r"^iteration\s+(\d+)/\d+ .*\| ep load max/mean ([0-9.]+) ", re.M)
-"""The log line's expert-parallel load: the busiest rank's (token, expert) pairs over its group's mean."""
+"""The log line's expert-parallel load: the busiest rank's (token, expert) pairs in each exchange over the group's
+mean, summed over the log interval (bridge_cli/logging/expert_load.py)."""
 TOKENS = re.compile(r"^iteration\s+(\d+)/\d+ .*\| tokens/s/gpu ([0-9,]+) ", re.M)
 KERNEL_TABLE = re.compile(r"^GPU time of .*by kernel kind:\n(?:  .*\n)+", re.M)
 TIMER = re.compile(r"^\s+(forward-backward|forward-compute|backward-compute|all-grads-sync|params-all-gather|"

@@ -141,3 +141,13 @@ def test_glm4_moe_takes_its_biases_and_qk_norms_from_config_json_and_writes_them
     assert family.differences(model) == []
     written = family.hf_config(model)
     assert (written["attention_bias"], written["use_qk_norm"], written["partial_rotary_factor"]) == (bias, norm, 0.5)
+
+
+def test_glm4_moe_export_refuses_a_scaled_rope():
+    """transformers' GLM-4.5 family is converted with plain RoPE only: a model trained with Llama 3.1's or YaRN's
+    scaling has no glm4_moe config.json that computes the same."""
+    family = FAMILIES["glm4_moe"]
+    config = {"model_type": "glm4_moe", **SHAPE, "n_routed_experts": 4, "num_experts_per_tok": 2, "head_dim": 16}
+    model = {**family.model_fields(config, WHERE), "params_dtype": "float32"}
+    assert family.differences({**model, "rope_scaling": True}) == ["model.rope_scaling=True"]
+    assert "model.position_embedding_type=yarn" in family.differences({**model, "position_embedding_type": "yarn"})
