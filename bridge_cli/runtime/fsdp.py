@@ -16,6 +16,8 @@ does:
 - Megatron-FSDP is megatron-core's ``FullyShardedDataParallel`` (mcore_fsdp_adapter): its own buffers, CUDA streams
   and events, ``ddp.data_parallel_sharding_strategy`` choosing what is sharded (``no_shard``, ``optim``,
   ``optim_grads``, ``optim_grads_params``), with megatron-core's distributed optimizer over those buffers. GPU only.
+  With ``model.compile_layers`` its hooks gather the weights before each compiled layer and reduce its gradients
+  after, outside the layer's graph as FSDP2's are (tests/gpu/test_gpu_fsdp.py holds it to the eager curve).
 
 What each needs and refuses is checked by :func:`check_fsdp` in the validation pass (``--dry-run`` included).
 """
@@ -128,7 +130,7 @@ def _check_torch_fsdp2(cfg) -> None:
 
 
 def _check_megatron_fsdp(cfg, device: str) -> None:
-    ddp, opt, m = cfg.ddp, cfg.optimizer, cfg.model
+    ddp, opt = cfg.ddp, cfg.optimizer
     if device != "cuda":
         raise RuntimeUnavailable(
             f"{MEGATRON_FSDP}=true needs a GPU: Megatron-FSDP keeps its buffers on the CUDA device and orders its "
@@ -156,11 +158,6 @@ def _check_megatron_fsdp(cfg, device: str) -> None:
                               "(docs/checkpoints.md#fsdp).",
                               f"Unset {key} for a run without checkpoints, or train with {TORCH_FSDP2}=true or "
                               "optimizer.use_distributed_optimizer=true, whose checkpoints are torch_dist.")
-    if m.compile_layers:
-        raise ConfigError(MEGATRON_FSDP, "does not work with model.compile_layers=true yet: Megatron-FSDP's "
-                          "all-gather and reduce-scatter hooks have not been run around compiled layers (torch "
-                          f"FSDP2's have: {TORCH_FSDP2}=true).",
-                          f"Set model.compile_layers=false, or use {TORCH_FSDP2}=true.")
     if opt.optimizer == "adam" and opt.adam_kernel != "foreach":
         raise ConfigError(MEGATRON_FSDP, f"does not work with optimizer.adam_kernel={opt.adam_kernel} yet: "
                           "megatron-core's distributed optimizer steps views of Megatron-FSDP's own buffers, which "

@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.slow,
                                  reason="needs 2 GPUs")]
 
 # llama1b's shape at 4 layers; every run steps torch's foreach Adam, uncompiled, so only the wrapper differs (but the
-# test of compiled layers and bridge's Adam under FSDP2)
+# tests of compiled layers, and of bridge's Adam under FSDP2)
 ARGS = ["pretrain", "recipe=llama1b", "model.num_layers=4", "train.train_iters=12", "logger.log_interval=1",
         "train.eval_iters=0", "optimizer.adam_kernel=foreach", "model.compile_layers=false"]
 DISTRIBUTED_OPTIMIZER = ["optimizer.use_distributed_optimizer=true"]
@@ -50,6 +50,19 @@ def test_megatron_fsdp_follows_the_distributed_optimizer(distributed_optimizer_c
     found = curve(*MEGATRON_FSDP, f"ddp.data_parallel_sharding_strategy={strategy}")
     assert found == pytest.approx(distributed_optimizer_curve, rel=TOLERANCE), (found, distributed_optimizer_curve)
     assert found[-1] < found[0]
+
+
+@pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads", "optim_grads_params"])
+def test_megatron_fsdp_with_compiled_layers_follows_the_distributed_optimizer(distributed_optimizer_curve, strategy):
+    """model.compile_layers=true under Megatron-FSDP: its hooks gather each layer's weights before the compiled
+    forward and reduce its gradients after, outside the layer's graph (no graph break, no recompile)."""
+    result = torchrun(2, *ARGS, *MEGATRON_FSDP, f"ddp.data_parallel_sharding_strategy={strategy}",
+                      "model.compile_layers=true", env={"TORCH_LOGS": "graph_breaks,recompiles"})
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    found = losses(result.stdout)
+    assert len(found) == 12 and "DP 2" in result.stdout, result.stdout[-2000:]
+    assert found == pytest.approx(distributed_optimizer_curve, rel=TOLERANCE), (found, distributed_optimizer_curve)
+    assert "Graph break" not in result.stderr and "Recompiling" not in result.stderr, result.stderr[-3000:]
 
 
 @pytest.fixture(scope="module")

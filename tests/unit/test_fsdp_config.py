@@ -41,8 +41,6 @@ REFUSED = [
     ([*FSDP2, "peft=lora"], ["dist.use_torch_fsdp2", "peft"]),
     ([*MEGATRON_FSDP, "optimizer.adam_kernel=triton"],
      ["ddp.use_megatron_fsdp", "optimizer.adam_kernel=triton", "optimizer.adam_kernel=foreach"]),
-    ([*MEGATRON_FSDP, "model.compile_layers=true"],
-     ["ddp.use_megatron_fsdp", "model.compile_layers=true", "dist.use_torch_fsdp2=true"]),
     ([*FSDP2, "logger.log_params_norm=true"], ["dist.use_torch_fsdp2", "logger.log_params_norm=true"]),
     (["recipe=tiny_moe", *FSDP2], ["dist.use_torch_fsdp2", "model.num_moe_experts"]),
     ([*FSDP2, "train.check_weight_hash_across_dp_replicas_interval=10"],
@@ -70,10 +68,11 @@ def test_config_validate_and_dry_run_refuse_alike(cli, args, fragments):
     [*FSDP2, "optimizer.adam_kernel=fused", "--device", "cuda", "--world-size", "2"],
     [*FSDP2, "model.compile_layers=true", "--world-size", "2"],
     [*MEGATRON_FSDP, "--world-size", "2"],
+    [*MEGATRON_FSDP, "model.compile_layers=true", "--world-size", "2"],
     [*MEGATRON_FSDP, "ddp.data_parallel_sharding_strategy=optim_grads_params", "model.tensor_model_parallel_size=2",
      "--world-size", "4"],
 ], ids=["fsdp2", "fsdp2-tp2", "fsdp2-bf16-gpu", "fsdp2-compiled-triton-adam-gpu", "fsdp2-fused-adam-gpu",
-        "fsdp2-compiled", "megatron-fsdp", "megatron-fsdp-zero3-tp2"])
+        "fsdp2-compiled", "megatron-fsdp", "megatron-fsdp-compiled", "megatron-fsdp-zero3-tp2"])
 def test_supported_layouts_pass(cli, args):
     result = cli("pretrain", "recipe=tiny", "--dry-run", *args)
     assert result.exit_code == 0, result.output
