@@ -8,7 +8,9 @@ Each ``--layout`` is a `torchrun --nproc-per-node GPUS -m bridge_cli pretrain` o
 the layout's own (LAYOUTS below, each whatever the recipe ships: ``shipped`` the recipe as it is, ``tp2`` tensor
 parallelism 2 with the distributed optimizer and data parallelism for the rest, ``fsdp2`` eager torch FSDP2 over every
 GPU, ``mfsdp`` Megatron-FSDP's optim_grads_params, ``dp`` the distributed optimizer over every GPU with mfsdp's other
-settings (Megatron-FSDP's reference where both fit: ``--recipe llama1b --layout dp mfsdp``); default
+settings (Megatron-FSDP's reference where both fit: ``--recipe llama1b --layout dp mfsdp``), ``dpov`` the
+distributed optimizer over every GPU with its reduce and gather overlapped, compiled (where the whole weights fit:
+llama8b on 4 H200s); default
 ``tp2 fsdp2``, ``shipped`` on one GPU); each ``--variant NAME:OVERRIDES`` adds one of its own. ``--titan`` first
 runs torchtitan 0.2.2 (``run_titan.py`` in this folder) under torchrun on as many GPUs at the recipe's shape
 (layers, hidden, heads, KV heads, FFN, vocab, seq, read from bridge's composed config, so the OVERRIDEs count),
@@ -79,6 +81,12 @@ LAYOUTS = {  # each sets what makes it this layout, whatever the recipe ships (l
     "dp": ["dist.use_torch_fsdp2=false", "optimizer.use_distributed_optimizer=true", "ddp.use_megatron_fsdp=false",
            "ddp.overlap_grad_reduce=false", "model.gradient_accumulation_fusion=false", "model.compile_layers=false",
            "optimizer.adam_kernel=foreach", "ddp.grad_reduce_in_fp32=false"],
+    # Megatron-LM's way where the whole weights and a bf16 gradient buffer fit beside the activations (llama8b at
+    # 4 GPUs: 89.6 GiB, an H200's): the distributed optimizer over every GPU, its gradient reduce-scatter and weight
+    # all-gather once a step and overlapped with compute, weight gradients added into main_grad, compiled layers
+    "dpov": ["dist.use_torch_fsdp2=false", "optimizer.use_distributed_optimizer=true", "ddp.use_megatron_fsdp=false",
+             "ddp.overlap_grad_reduce=true", "ddp.overlap_param_gather=true", "model.gradient_accumulation_fusion=true",
+             "model.compile_layers=true", "optimizer.adam_kernel=foreach", "ddp.grad_reduce_in_fp32=false"],
 }
 DEFAULT_OVERRIDES = ["train.global_batch_size=16", "optimizer.lr=5e-5", "optimizer.min_lr=5e-6",
                      "scheduler.lr_warmup_iters=2", "scheduler.lr_warmup_fraction=null"]

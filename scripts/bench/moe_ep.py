@@ -54,8 +54,11 @@ TIMER = re.compile(r"^\s+(forward-backward|forward-compute|backward-compute|all-
 # EP rank draws its experts from its own seed), so the layouts start from the same model.
 # The recipe's micro-batch of 2 on every GPU and its compiled layers (bridge's token dispatch compiles at any EP
 # size). At micro-batch 1 the proxy's step is bound by the host on one GPU already (about 1,100 kernel launches a
-# micro-batch), and each EP layer adds collectives to launch: see docs/performance.md.
-DEFAULT_OVERRIDES = ["model.num_layers=8", "optimizer.use_distributed_optimizer=true", "model.use_cpu_initialization=true"]
+# micro-batch), and each EP layer adds collectives to launch: see docs/performance.md. The learning rate is the
+# hand-made EP runs' 3e-5: at the recipe's 3e-4, 5 warm-up steps into a 16-iteration run, one GPU's loss jumped from
+# 8.4 to 13.9 at iteration 10 (4 x H200, 2026-11-28) and the curves' difference measured that spike, not the layout.
+DEFAULT_OVERRIDES = ["model.num_layers=8", "optimizer.use_distributed_optimizer=true", "model.use_cpu_initialization=true",
+                     "optimizer.lr=3e-5"]
 RESUME_OVERRIDES = ["model.num_layers=2", "model.num_moe_experts=16", "model.vocab_size=32768",
                     "optimizer.use_distributed_optimizer=true", "model.use_cpu_initialization=true",
                     "model.compile_layers=false", "train.micro_batch_size=1"]

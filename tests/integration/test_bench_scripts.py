@@ -410,16 +410,17 @@ def test_dense_scale_on_the_cpu():
     assert len(found) == 2 and found[0] < out.index("\n\nrun ") < found[1], out
 
 
-@pytest.mark.parametrize("layout, verdict", [("tp2", "fits"), ("fsdp2", "fits"), ("mfsdp", "fits"),
-                                             ("dp", "will not fit")])
-def test_dense_scale_layouts_are_what_they_say_on_llama8b(layout, verdict, monkeypatch):
+@pytest.mark.parametrize("layout, gpu, verdict", [("tp2", 80, "fits"), ("fsdp2", 80, "fits"), ("mfsdp", 80, "fits"),
+                                                  ("dp", 80, "will not fit"), ("dpov", 80, "will not fit"),
+                                                  ("dpov", 141, "fits")])
+def test_dense_scale_layouts_are_what_they_say_on_llama8b(layout, gpu, verdict, monkeypatch):
     """Each layout of dense_scale.py is that layout whatever the recipe ships: on llama8b (which ships torch FSDP2,
-    compiled) at the 4-GPU command's global batch the dry run passes validation, and says what the 80 GB GPUs hold:
-    the sharded layouts fit, the distributed optimizer over every GPU (dp) does not: the case only Megatron-FSDP
-    and FSDP2 run."""
+    compiled) at the 4-GPU command's global batch the dry run passes validation, and says what the GPUs hold: on
+    80 GB the sharded layouts fit, the distributed optimizer over every GPU (dp, dpov) does not: the case only
+    Megatron-FSDP and FSDP2 run; on an H200's 141 GB dpov fits (measured there: 89.6 GiB)."""
     dense_scale = bench_module(monkeypatch, "dense_scale")
     result = bridge("pretrain", "recipe=llama8b", "train.global_batch_size=16", *dense_scale.LAYOUTS[layout],
-                    "--dry-run", "--device", "cuda", "--world-size", "4")
+                    "--dry-run", "--device", "cuda", "--world-size", "4", "--gpu-memory", str(gpu))
     assert result.returncode == 0, result.stderr[-3000:]
     assert re.search(rf"^\s*verdict: {verdict}$", result.stdout, re.M), result.stdout[-3000:]
 
