@@ -107,7 +107,7 @@ def device_dispatch_blocker(m) -> Optional[str]:
         (m.moe_token_dispatcher_type == "alltoall" and ep > m.moe_router_topk,
          f"model.moe_token_dispatcher_type=alltoall with model.expert_model_parallel_size={ep} above "
          f"model.moe_router_topk={m.moe_router_topk} (there the all-to-all moves less data than a gather)"),
-        (m.moe_expert_capacity_factor is not None, f"model.moe_expert_capacity_factor={m.moe_expert_capacity_factor}"),
+        (m.moe_pad_expert_input_to_capacity, "model.moe_pad_expert_input_to_capacity=true"),
         (m.moe_shared_expert_overlap, "model.moe_shared_expert_overlap=true"),
     ]
     return next((reason for applies, reason in reasons if applies), None)
@@ -120,7 +120,7 @@ def _check_compile(m) -> None:
                           f"{blocker} sends the tokens through megatron-core's dispatcher, which waits on the GPU "
                           "and does not trace.", "Set model.compile_layers=false, or use grouped experts with "
                           "the allgather dispatcher (or alltoall with expert parallelism up to moe_router_topk), "
-                          "no capacity factor and no shared-expert overlap.")
+                          "no padding to capacity and no shared-expert overlap.")
 
 
 def _check_exchange_chunks(m) -> None:
@@ -137,7 +137,7 @@ def _check_exchange_chunks(m) -> None:
         raise ConfigError(key, f"{chunks} chunks split the token exchange of bridge's token dispatcher, and here "
                           f"{blocker} keeps megatron-core's.", "Set model.moe_exchange_chunks=1, or use grouped experts "
                           "with the allgather dispatcher (or alltoall with expert parallelism up to moe_router_topk), "
-                          "no capacity factor and no shared-expert overlap.")
+                          "no padding to capacity and no shared-expert overlap.")
     etp = m.expert_tensor_parallel_size or m.tensor_model_parallel_size
     if m.expert_model_parallel_size * etp == 1:
         raise ConfigError(key, f"{chunks} chunks split the exchange of tokens between expert-parallel ranks, and with "

@@ -55,8 +55,9 @@ class DeviceTokenDispatcher(MoETokenDispatcher):
                            replaced.local_expert_indices[0] + replaced.num_local_experts)
         self.slots = min(replaced.config.moe_router_topk, replaced.num_local_experts)
         self.group_size = self.tp_size * self.ep_size
-        # with every expert here, each token sends exactly topk pairs: no tail to skip
         self.all_experts_here = replaced.num_local_experts == replaced.config.num_moe_experts
+        # with every expert here and no capacity to drop pairs, each token sends exactly topk pairs: no tail to skip
+        self.exactly_topk = self.all_experts_here and replaced.config.moe_expert_capacity_factor is None
         self.chunks = chunks
         """model.moe_exchange_chunks: above 1, the tokens stay on their rank through token_dispatch and token_combine,
         and :meth:`experts_in_chunks` (called by :class:`ChunkedExchangeMoELayer`) exchanges them chunk by chunk."""
@@ -101,7 +102,7 @@ class DeviceTokenDispatcher(MoETokenDispatcher):
         order = torch.argsort(local_map.t().reshape(-1).logical_not().to(torch.int8), stable=True)
         pairs = order[: tokens * self.slots]
         tokens_per_expert = local_map.sum(dim=0)
-        count = None if self.all_experts_here else tokens_per_expert.sum()
+        count = None if self.exactly_topk else tokens_per_expert.sum()
         row_of_pair = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
         # each token's rows, its experts ascending; -1 for a slot no expert of this rank fills
         slot_experts = torch.argsort(local_map.logical_not().to(torch.int8), dim=1, stable=True)[:, : self.slots]
@@ -271,8 +272,9 @@ def use_device_token_dispatch(model: torch.nn.Module) -> None:
     Eligible (:func:`~bridge_cli.models.moe_checks.device_dispatch_blocker`): grouped-GEMM experts (they
     take the counts as a GPU tensor), megatron-core's ``allgather`` dispatcher, or its ``alltoall`` one
     where expert parallelism is at most ``moe_router_topk`` (beyond, the all-to-all moves less data), no
-    shared-expert overlap and no capacity factor. Every load-balancing type bridge accepts keeps exactly
-    top-k experts per token. With ``model.moe_exchange_chunks`` above 1 (validated by
+    shared-expert overlap and no padding to capacity. Every load-balancing type bridge accepts routes a token to
+    top-k experts; ``model.moe_expert_capacity_factor`` has megatron-core's router drop the pairs past an expert's
+    capacity before the exchange, and the count on the GPU covers the pairs left. With ``model.moe_exchange_chunks`` above 1 (validated by
     :func:`~bridge_cli.models.moe_checks.check_moe`), the layer becomes a :class:`ChunkedExchangeMoELayer`.
     """
     from megatron.core.transformer.moe.token_dispatcher import (

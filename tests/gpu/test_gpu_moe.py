@@ -153,14 +153,17 @@ def test_expert_parallel_two_over_nccl_follows_one_gpu():
 
 @pytest.mark.slow
 @pytest.mark.skipif(not _two_gpus(), reason="needs 2 GPUs")
-def test_expert_parallel_two_with_compiled_layers_follows_one_gpu():
+@pytest.mark.parametrize("dropping", [[], ["model.moe_expert_capacity_factor=1.0"]], ids=["dropless", "capacity"])
+def test_expert_parallel_two_with_compiled_layers_follows_one_gpu(dropping):
     """bridge's dispatcher keeps every count on the GPU, so the MoE layers compile under EP (no graph break
     allowed in them), and every MoE layer runs the same graph: no recompilation names what megatron-core's routers
     record per layer (their layer number, the loss tracker's entries) nor the log line's pair counters (on 4 H100s
-    with megatron-core 0.19.2 these compiled the MoE layer once per layer, then once more for the tracker)."""
+    with megatron-core 0.19.2 these compiled the MoE layer once per layer, then once more for the tracker). With a
+    capacity factor each rank's router drops pairs from its own micro-batch, as one GPU does micro-batch by
+    micro-batch."""
     compiled = ["model.compile_layers=true", "model.gradient_accumulation_fusion=false"]
-    one = bridge("pretrain", *TWO_GPU_RUN)
-    ep = torchrun(2, "pretrain", *TWO_GPU_RUN, EP2, *compiled, env={"TORCH_LOGS": "graph_breaks,recompiles"})
+    one = bridge("pretrain", *TWO_GPU_RUN, *dropping)
+    ep = torchrun(2, "pretrain", *TWO_GPU_RUN, EP2, *compiled, *dropping, env={"TORCH_LOGS": "graph_breaks,recompiles"})
     assert one.returncode == 0 and ep.returncode == 0, (one.stderr[-2000:], ep.stderr[-2000:])
     assert "Graph break" not in ep.stderr, ep.stderr[-3000:]
     reasons = [line for line in ep.stderr.splitlines() if "__recompiles" in line]

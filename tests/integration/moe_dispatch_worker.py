@@ -35,7 +35,7 @@ def build(args, sequence_parallel: bool, **fields):
         make_vocab_size_divisible_by=128, position_embedding_type="rope", normalization="RMSNorm",
         add_bias_linear=False, gated_linear_unit=True, activation_func=F.silu, hidden_dropout=0.0, attention_dropout=0.0,
         spec="torch", num_moe_experts=8, moe_router_topk=args.topk, moe_ffn_hidden_size=32,
-        moe_aux_loss_coeff=1e-2, moe_grouped_gemm=True,
+        moe_aux_loss_coeff=1e-2, moe_grouped_gemm=True, moe_expert_capacity_factor=args.capacity,
         use_cpu_initialization=True, tensor_model_parallel_size=args.tp, sequence_parallel=sequence_parallel,
         expert_model_parallel_size=args.ep, expert_tensor_parallel_size=args.etp, **fields).provide()
 
@@ -75,6 +75,7 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument("--ep", type=int, default=2)
     parser.add_argument("--etp", type=int, default=1)
     parser.add_argument("--topk", type=int, default=3)
+    parser.add_argument("--capacity", type=float, default=None, help="moe_expert_capacity_factor (pairs dropped)")
     return parser
 
 

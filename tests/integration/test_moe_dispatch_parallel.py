@@ -4,7 +4,8 @@ Each case runs moe_dispatch_worker.py under torchrun: the same model with bridge
 megatron-core's, forward and backward on each rank's own tokens; every rank compares the logits and every
 parameter's gradient (experts, routers through the probabilities and the auxiliary loss, attention, embedding).
 With 8 experts over the expert-parallel ranks each rank holds some of them, so the pairs it receives vary in
-number and the dispatcher's unused tail (rows past the count) is exercised.
+number and the dispatcher's unused tail (rows past the count) is exercised; with a capacity factor fewer pairs
+still (megatron-core's router drops them on each rank before the exchange).
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ WORKER = Path(__file__).with_name("moe_dispatch_worker.py")
     (4, ["--ep", "4", "--topk", "4"]),
     (4, ["--tp", "2", "--ep", "2", "--etp", "1"]),  # sequence parallel: each rank routes its part of the sequence
     (4, ["--ep", "2", "--etp", "2", "--dispatcher", "allgather"]),  # gloo has no uneven all-gather for alltoall's
-], ids=["ep2", "ep4", "tp2_ep2", "etp2_ep2"])
+    (2, ["--ep", "2", "--capacity", "0.5"]),  # each rank's router drops pairs past half an expert's share
+], ids=["ep2", "ep4", "tp2_ep2", "etp2_ep2", "ep2_capacity"])
 def test_device_dispatch_equals_megatron_cores_under_expert_parallelism(tmp_path, ranks, layout):
     env = {"CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     result = python(str(WORKER), "--out", str(tmp_path), *layout, nproc=ranks, env=env, timeout=300)

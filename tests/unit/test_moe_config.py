@@ -49,6 +49,9 @@ def test_list_valued_moe_fields_reach_megatron_core(cli):
     (["model.compile_layers=true", "model.moe_grouped_gemm=true", "model.expert_model_parallel_size=4",
       "--world-size", "4"], ["model.compile_layers", "model.expert_model_parallel_size=4 above model.moe_router_topk=2",
                              "allgather dispatcher"]),
+    (["model.compile_layers=true", "model.moe_grouped_gemm=true", "model.moe_expert_capacity_factor=1.0",
+      "model.moe_pad_expert_input_to_capacity=true"],
+     ["model.compile_layers", "model.moe_pad_expert_input_to_capacity=true", "no padding to capacity"]),
 ])
 def test_moe_config_errors(cli, args, fragments):
     assert_user_error(cli("pretrain", *MOE, *args, "--dry-run"), *fragments)
@@ -56,7 +59,9 @@ def test_moe_config_errors(cli, args, fragments):
 
 @pytest.mark.parametrize("layout", [[], ["model.expert_model_parallel_size=2", "--world-size", "2"],
                                     ["model.expert_model_parallel_size=4", "model.moe_token_dispatcher_type=allgather", "train.global_batch_size=16",
-                                     "--world-size", "4"]], ids=["local", "ep2", "ep4_allgather"])
+                                     "--world-size", "4"],
+                                    ["model.expert_model_parallel_size=2", "model.moe_expert_capacity_factor=1.0",
+                                     "--world-size", "2"]], ids=["local", "ep2", "ep4_allgather", "ep2_capacity"])
 def test_compiled_moe_layers_pass_the_dry_run(cli, layout):
     result = cli("pretrain", *MOE, "model.compile_layers=true", "model.moe_grouped_gemm=true", *layout, "--dry-run")
     assert result.exit_code == 0, result.output

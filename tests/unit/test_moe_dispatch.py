@@ -1,6 +1,6 @@
 """The host-sync-free token dispatcher for local experts against megatron-core's own dispatchers:
-the same forward and gradients in fp32 on the CPU, and megatron-core's dispatchers kept wherever the
-permutation is not of a fixed size (capacity factor) or crosses ranks. The chunked exchange
+the same forward and gradients in fp32 on the CPU, with and without a capacity that drops pairs, and
+megatron-core's dispatchers kept where its experts pad their input to capacity or are not grouped. The chunked exchange
 (model.moe_exchange_chunks) in one process, and the settings it refuses; across ranks it is tested in
 tests/integration/test_moe_exchange_chunks.py."""
 
@@ -54,11 +54,18 @@ def forward_backward(model):
     return logits, {name: p.grad.clone() for name, p in model.named_parameters()}
 
 
+DROPPING = {"no_capacity": {}, "capacity_by_probs": dict(moe_expert_capacity_factor=0.5),
+            "capacity_by_position": dict(moe_expert_capacity_factor=0.5, moe_token_drop_policy="position")}
+"""Capacity 0.5: every expert takes half the pairs it would get on average, so megatron-core's router drops pairs
+(the highest-probability ones kept, or the earliest tokens) before the dispatcher sees the routing."""
+
+
+@pytest.mark.parametrize("dropping", DROPPING)
 @pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
-def test_local_dispatch_equals_megatron_cores_dispatcher(one_process, dispatcher):
-    ours = build(dispatcher)
+def test_local_dispatch_equals_megatron_cores_dispatcher(one_process, dispatcher, dropping):
+    ours = build(dispatcher, **DROPPING[dropping])
     assert all(isinstance(mlp.token_dispatcher, DeviceTokenDispatcher) for mlp in moe_layers(ours))
-    theirs = with_megatron_dispatchers(build(dispatcher), dispatcher)
+    theirs = with_megatron_dispatchers(build(dispatcher, **DROPPING[dropping]), dispatcher)
     logits, grads = forward_backward(ours)
     their_logits, their_grads = forward_backward(theirs)
     torch.testing.assert_close(logits, their_logits, rtol=1e-6, atol=1e-6)
@@ -89,8 +96,8 @@ def test_a_token_gets_each_of_its_experts_output_once(one_process):
             torch.testing.assert_close(combined[token, 0], expected, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("overrides", [dict(moe_expert_capacity_factor=1.0), dict(moe_grouped_gemm=False)],
-                         ids=["capacity_factor", "sequential_mlp"])
+@pytest.mark.parametrize("overrides", [dict(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True),
+                                       dict(moe_grouped_gemm=False)], ids=["padded_to_capacity", "sequential_mlp"])
 def test_megatron_cores_dispatcher_stays_where_the_permutation_is_not_fixed(one_process, overrides):
     assert not any(isinstance(mlp.token_dispatcher, DeviceTokenDispatcher) for mlp in moe_layers(build(**overrides)))
 
