@@ -143,10 +143,13 @@ def memory_advice(container, gpu_memory: Optional[float]):
 
 def print_memory(container, gpu_memory: Optional[float]) -> None:
     """--dry-run's memory block on stdout; a layout that may not or will not fit gets a warning on stderr too
-    (a dry run is a question: its exit code stays 0)."""
+    (a dry run is a question: its exit code stays 0), and one under torch FSDP2 whose distributed-optimizer twin
+    fits too a note naming it."""
     advice = memory_advice(container, gpu_memory)
     if advice is None:
         return
     print("\n".join(advice.lines()))
     if advice.message():
         typer.secho(f"warning: {advice.message()}", fg=typer.colors.YELLOW, err=True)
+    if advice.hint():
+        typer.echo(f"note: {advice.hint()}", err=True)

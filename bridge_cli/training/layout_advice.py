@@ -5,8 +5,9 @@ The verdict allows for the estimate's error (:data:`ACCURACY`, from docs/paralle
 total below the GPU's memory by more than that fits, one above it by more than that will not fit, and one in
 between may not. The settings offered are each re-estimated: only those that bring the total into "fits".
 torch FSDP2 comes before recompute and more tensor, pipeline or expert parallelism (docs/parallelism.md#fsdp: the
-fastest layout measured for llama8b on 4 GPUs), with the settings it refuses turned off, and only where the
-validation accepts the result.
+fastest layout measured for llama8b on 4 80 GB GPUs), with the settings it refuses turned off, and only where the
+validation accepts the result. A run under torch FSDP2 that fits gets a note where the distributed optimizer would
+fit as well (:data:`GATHER_ONCE`): faster where the GPU holds the whole weights.
 """
 
 from __future__ import annotations
@@ -31,6 +32,14 @@ DEFAULT_GPU_GIB = 80.0
 RECOMPUTE = {"recompute": "full", "recompute_method": "uniform", "recompute_layers": 1}
 RECOMPUTE_KEYS = "model.recompute_granularity=full model.recompute_method=uniform model.recompute_num_layers=1"
 
+GATHER_ONCE = (("dist.use_torch_fsdp2", False), ("optimizer.use_distributed_optimizer", True),
+               ("ddp.overlap_grad_reduce", True), ("ddp.overlap_param_gather", True),
+               ("model.gradient_accumulation_fusion", True))
+"""torch FSDP2's run as the distributed optimizer with its collectives overlapped: the weights whole on each GPU,
+gathered and their gradients reduce-scattered once a step, where FSDP2 does both on every micro-batch
+(docs/parallelism.md#fsdp: llama8b on 4 H200s, 1.11x FSDP2's tokens/s). Offered where a run under FSDP2 fits and
+so would this."""
+
 FSDP2_REPLACES = ("optimizer.use_distributed_optimizer", "ddp.overlap_grad_reduce", "ddp.overlap_param_gather",
                   "model.gradient_accumulation_fusion")
 """Settings torch FSDP2 refuses (runtime/fsdp.py) because it shards, overlaps or accumulates gradients its own
@@ -51,6 +60,9 @@ class Advice:
     fixes: tuple[str, ...]
     """Each a setting (or settings) with the estimate it gives; together, when no single one is enough."""
     together: bool
+    gather_once: Optional[str] = None
+    """For a run under torch FSDP2 that fits: the :data:`GATHER_ONCE` settings and their estimate, where they fit
+    too; else None."""
 
     def lines(self) -> list[str]:
         """The YAML block --dry-run prints (GiB), with how each line was counted as comments."""
@@ -94,6 +106,16 @@ class Advice:
         return f"{head} Any one of these would: {'; '.join(self.fixes)}."
 
 
+    def hint(self) -> Optional[str]:
+        """The note that a faster layout fits too (:attr:`gather_once`); None where there is none."""
+        if self.gather_once is None:
+            return None
+        return (f"memory per GPU: the distributed optimizer would fit too: {self.gather_once}. It gathers the weights "
+                f"and reduces their gradients once a step, where torch FSDP2 does both on each of the step's "
+                f"{self.shape.num_microbatches} micro-batches (llama8b on 4 H200s: 1.11x the tokens/s, "
+                "docs/parallelism.md#fsdp).")
+
+
 def gpu_memory(flag_gib: Optional[float]) -> tuple[float, str]:
     """(bytes, where the number comes from): ``--gpu-memory``, else this machine's GPU 0, else
     :data:`DEFAULT_GPU_GIB`."""
@@ -118,8 +140,12 @@ def advise(cfg, world_size: int, gpu_bytes: float, gpu_source: str = "") -> Advi
     shape = shape_of(cfg, world_size)
     found = estimate(shape)
     judged = verdict(found.total, gpu_bytes)
-    fixes, together = (), False
-    if judged != "fits":
+    fixes, together, gather_once = (), False, None
+    if judged == "fits":
+        trial = _gathered_once(cfg, shape)
+        if trial and _fits(trial[1], gpu_bytes):
+            gather_once = _describe(*trial, world_size)
+    else:
         fsdp2 = _torch_fsdp2(cfg, shape)
         fixes = tuple(_describe(label, s, world_size) for label, s in _single_fixes(shape, gpu_bytes, fsdp2))
         if not fixes:
@@ -127,7 +153,7 @@ def advise(cfg, world_size: int, gpu_bytes: float, gpu_source: str = "") -> Advi
             if combined:
                 labels, changed = combined
                 fixes, together = (_describe(" ".join(labels), changed, world_size),), True
-    return Advice(found, shape, gpu_bytes, gpu_source, judged, fixes, together)
+    return Advice(found, shape, gpu_bytes, gpu_source, judged, fixes, together, gather_once)
 
 
 def _fits(s: RunShape, gpu_bytes: float) -> bool:
@@ -168,28 +194,39 @@ def _combined_fix(s: RunShape, gpu_bytes: float) -> Optional[tuple[list[str], Ru
 
 
 def _torch_fsdp2(cfg, s: RunShape) -> Optional[tuple[str, RunShape]]:
-    """torch FSDP2 as a proposal for ``cfg`` (validated, shaped as ``s``): the overrides, FSDP2 and the
-    :data:`FSDP2_REPLACES` settings that are on turned off, and the run they give, shaped from a copy of ``cfg``
-    that passed the validation with them. None where FSDP (either) is on already, where no data-parallel ranks
-    would share the shards, or where the validation refuses it."""
+    """torch FSDP2 as a proposal for ``cfg`` (validated, shaped as ``s``): FSDP2 on and the :data:`FSDP2_REPLACES`
+    settings that are on turned off (:func:`_switched`). None where FSDP (either) is on already or where no
+    data-parallel ranks would share the shards."""
     if cfg.dist.use_torch_fsdp2 or cfg.ddp.use_megatron_fsdp or s.dp * s.cp == 1:
         return None
+    return _switched(cfg, s, ((TORCH_FSDP2, True), *((key, False) for key in FSDP2_REPLACES)))
+
+
+def _gathered_once(cfg, s: RunShape) -> Optional[tuple[str, RunShape]]:
+    """A torch FSDP2 run of more than one micro-batch a step as :data:`GATHER_ONCE` says (:func:`_switched`); None
+    otherwise."""
+    if not cfg.dist.use_torch_fsdp2 or s.num_microbatches == 1:
+        return None
+    return _switched(cfg, s, GATHER_ONCE)
+
+
+def _switched(cfg, s: RunShape, settings) -> Optional[tuple[str, RunShape]]:
+    """``cfg`` with each of ``settings`` (key, value) that differs set: the overrides that change, and the run they
+    give, shaped from a copy of ``cfg`` that passed the validation with them; None where the validation refuses it."""
     trial = copy.deepcopy(cfg)
-    trial.dist.use_torch_fsdp2 = True
-    switched = []
-    for key in FSDP2_REPLACES:
+    changed = []
+    for key, value in settings:
         section, name = key.split(".")
-        if getattr(getattr(trial, section), name):
-            setattr(getattr(trial, section), name, False)
-            switched.append(key)
+        if getattr(getattr(trial, section), name) != value:
+            setattr(getattr(trial, section), name, value)
+            changed.append(f"{key}={str(value).lower()}")
     # conf/ddp/default.yaml: ddp's copy of the switch follows the optimizer's, as it does after the override
     trial.ddp.use_distributed_optimizer = trial.optimizer.use_distributed_optimizer
     try:
         trial.validate(s.world, cfg.derived.device)
     except (ConfigError, RuntimeUnavailable):
         return None
-    label = " ".join([f"{TORCH_FSDP2}=true"] + [f"{key}=false" for key in switched])
-    return label, shape_of(trial, s.world)
+    return " ".join(changed), shape_of(trial, s.world)
 
 
 def _kinds(s: RunShape) -> list[list[tuple[str, RunShape]]]:

@@ -247,6 +247,41 @@ def test_torch_fsdp2_is_not_offered_where_it_is_refused_or_has_no_ranks_to_shard
     assert "dist.use_torch_fsdp2=true" not in result.stderr
 
 
+GATHER_ONCE_KEYS = ("dist.use_torch_fsdp2=false optimizer.use_distributed_optimizer=true ddp.overlap_grad_reduce=true "
+                    "ddp.overlap_param_gather=true model.gradient_accumulation_fusion=true")
+
+
+def test_a_fsdp2_run_that_fits_hears_of_the_distributed_optimizer_where_that_fits_too_and_the_line_passes(cli):
+    """llama8b as shipped (FSDP2) on 4 H200-sized GPUs: the distributed optimizer's whole weights fit too (fp32
+    gradients as the recipe reduces them), and it gathers them once a step instead of on each of 4 micro-batches.
+    The note's settings, typed, are a run that fits, with no note of its own; docs/parallelism.md shows the note as
+    printed."""
+    command = ("pretrain", "recipe=llama8b", "train.global_batch_size=16", "--dry-run", "--device", "cuda",
+               "--world-size", "4", "--gpu-memory", "141")
+    result = cli(*command)
+    assert result.exit_code == 0, result.output
+    assert "  verdict: fits" in result.stdout
+    assert result.stderr.strip() == (
+        f"note: memory per GPU: the distributed optimizer would fit too: {GATHER_ONCE_KEYS} (106.4 GiB). It gathers "
+        "the weights and reduces their gradients once a step, where torch FSDP2 does both on each of the step's 4 "
+        "micro-batches (llama8b on 4 H200s: 1.11x the tokens/s, docs/parallelism.md#fsdp).")
+    assert f"    {result.stderr.strip()}\n" in section("docs/parallelism.md", "Memory per GPU")  # the page's example
+    typed = cli(*command, *GATHER_ONCE_KEYS.split())
+    assert typed.exit_code == 0, typed.output
+    assert "  total: 106.4\n" in typed.stdout and "  verdict: fits" in typed.stdout and typed.stderr == ""
+
+
+@pytest.mark.parametrize("overrides, gpu", [
+    ((), 80),  # the whole weights do not fit 80 GB
+    (("train.global_batch_size=4",), 141),  # one micro-batch a step: FSDP2 gathers once a step too
+])
+def test_no_note_where_the_distributed_optimizer_would_not_fit_or_gain(cli, overrides, gpu):
+    result = cli("pretrain", "recipe=llama8b", "train.global_batch_size=16", *overrides, "--dry-run", "--device",
+                 "cuda", "--world-size", "4", "--gpu-memory", str(gpu))
+    assert result.exit_code == 0, result.output
+    assert "  verdict: fits" in result.stdout and result.stderr == ""
+
+
 def test_config_validate_refuses_what_will_not_fit_and_warns_on_what_may_not(cli):
     assert_user_error(cli("config", "validate", "recipe=llama8b", "--device", "cuda", "--gpu-memory", "80"),
                       "memory per GPU: the estimate is", "will not fit", "model.tensor_model_parallel_size=4 on 4 GPUs")
