@@ -147,13 +147,21 @@ MODELS = {
         rope_theta=1000000.0, first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2, n_group=2,
         topk_group=1, moe_intermediate_size=48, n_shared_experts=1, routed_scaling_factor=2.5,
         tie_word_embeddings=False), None),
+    # dots.llm1: Qwen3's attention (per-head q/k norms, head_dim 32 other than hidden/heads, a global and a
+    # sliding-window layer: max_window_layers 1) with a dense first layer, then an MoE layer as DeepSeek-V3's: sigmoid
+    # scores, expert bias (random), top-2 of the best of 2 groups, renormalised, times 2.5, two shared experts
+    "dots1": ("Dots1Config", "Dots1ForCausalLM", dict(
+        vocab_size=512, head_dim=32, rope_theta=1000000.0, first_k_dense_replace=1, n_routed_experts=4,
+        num_experts_per_tok=2, n_group=2, topk_group=1, moe_intermediate_size=48, n_shared_experts=2,
+        norm_topk_prob=True, routed_scaling_factor=2.5, tie_word_embeddings=False, sliding_window=8,
+        max_window_layers=1), None),
 }
 WINDOWS = {"mistral": ([7, 0], [1, 1]), "mixtral": ([7, 0], [1, 1]), "phi3": ([7, 0], [1, 1]),
            "starcoder2": ([7, 0], [1, 1]), "qwen3_moe": ([7, 0], [1, 1]), "qwen2": ([7, 0], [0, 1]),
            "qwen3": ([7, 0], [0, 1]), "qwen2_moe": ([7, 0], [1, 0]), "gemma3_text": ([7, 0], [1, 0]),
-           "gemma2": ([7, 0], [1, 0]), "gpt_oss": ([7, 0], [1, 0])}
+           "gemma2": ([7, 0], [1, 0]), "gpt_oss": ([7, 0], [1, 0]), "dots1": ([7, 0], [0, 1])}
 """The imported models' window_size and window_attn_skip_freq (sliding_window 8: the query and 7 keys before it)."""
-MOE = ("mixtral", "qwen3_moe", "olmoe", "gpt_oss", "qwen2_moe", "deepseek_v3", "deepseek_v2", "glm4_moe")
+MOE = ("mixtral", "qwen3_moe", "olmoe", "gpt_oss", "qwen2_moe", "deepseek_v3", "deepseek_v2", "glm4_moe", "dots1")
 """The mixture-of-experts families, loaded at EP=2 too (and at TP=2 with their experts split, GPT-OSS's biased
 ones excepted: megatron-core computes those at expert TP 1)."""
 
@@ -319,7 +327,8 @@ def test_a_key_config_json_leaves_out_means_transformers_default(work, hf_dirs, 
         assert (logits[name] - torch.load(reference(hf_dirs[name]))).abs().max().item() < ATOL, name
 
 
-@pytest.mark.parametrize("name", ["mistral", "mixtral", "phi3", "starcoder2", "qwen3_moe", "qwen2", "qwen3", "qwen2_moe"])
+@pytest.mark.parametrize("name", ["mistral", "mixtral", "phi3", "starcoder2", "qwen3_moe", "qwen2", "qwen3", "qwen2_moe",
+                                  "dots1"])
 def test_the_sliding_windows_change_the_logits(name, hf_dirs, tokens, tmp_path):
     """The 24 tokens reach past the window of 8: the same weights with full attention give other logits, so the
     imported models' equality with transformers' holds above the window (and below it, in the first 8 positions)."""
@@ -351,7 +360,7 @@ def test_import_writes_a_checkpoint_and_recipe_in_the_project_layout(imported):
                                                                          "starcoder2", "gpt2"))
         assert model.get("rope_scaling") == (None if name == "gpt2" else name == "llama")
         assert model["qk_layernorm"] == (name in ("qwen3", "qwen3_moe", "olmoe", "gemma3_text", "olmo2", "deepseek_v3",
-                                                  "deepseek_v2", "glm4_moe"))
+                                                  "deepseek_v2", "glm4_moe", "dots1"))
         assert model.get("num_moe_experts") == ({"deepseek_v2": 8}.get(name, 4) if name in MOE else None)
         assert model.get("rotary_percent") == {"phi3": 0.5, "glm4": 0.5, "stablelm": 0.25, "gpt2": None,
                                                "glm4_moe": 0.5}.get(name, 1.0)
@@ -407,6 +416,11 @@ def test_import_writes_a_checkpoint_and_recipe_in_the_project_layout(imported):
             glm4_moe["moe_router_num_groups"], glm4_moe["moe_router_topk_scaling_factor"],
             glm4_moe["moe_shared_expert_intermediate_size"], glm4_moe["moe_layer_freq"], glm4_moe["rotary_base"]) == (
         32, "sigmoid", True, 2, 2.5, 48, [0, 1], 1000000)
+    dots1 = yaml.safe_load((imported["dots1"] / "recipe.yaml").read_text())["model"]
+    assert (dots1["kv_channels"], dots1["moe_router_score_function"], dots1["moe_router_enable_expert_bias"],
+            dots1["moe_router_num_groups"], dots1["moe_router_group_topk"], dots1["moe_router_topk_scaling_factor"],
+            dots1["moe_shared_expert_intermediate_size"], dots1["moe_layer_freq"], dots1.get("mtp_num_layers")) == (
+        32, "sigmoid", True, 2, 1, 2.5, 96, [0, 1], None)
     gpt_oss = yaml.safe_load((imported["gpt_oss"] / "recipe.yaml").read_text())["model"]
     assert (gpt_oss["position_embedding_type"], gpt_oss["yarn_rotary_scaling_factor"],
             gpt_oss["yarn_correction_range_round_to_int"]) == ("yarn", 32.0, False)
@@ -612,6 +626,12 @@ def test_import_errors_name_the_problem_and_leave_no_output(cli, broken, tmp_pat
     ("glm4_moe", dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0,
                                        "partial_rotary_factor": 0.5}),
      ["RoPE scaling 'linear': bridge converts a glm4_moe model with plain RoPE"]),
+    ("dots1", dict(norm_topk_prob=False), ["norm_topk_prob false: megatron-core renormalises"]),
+    ("dots1", dict(use_sliding_window=False), ["use_sliding_window false with sliding-window layers (sliding_window 8,"
+                                               " layers [1])", "transformers' dots1 ignores use_sliding_window"]),
+    ("dots1", dict(scoring_func="softmax"), ["scoring_func 'softmax': transformers' dots1 router takes sigmoid"]),
+    ("dots1", dict(moe_layer_freq=2), ["moe_layer_freq 2"]),
+    ("dots1", dict(attention_bias=True), ["attention_bias"]),
 ])
 def test_import_refuses_what_megatron_core_cannot_compute(cli, hf_dirs, tmp_path, name, changes, fragments):
     folder = tmp_path / "hf"

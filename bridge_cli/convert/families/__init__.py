@@ -16,6 +16,7 @@ from typing import Any, Mapping, Optional
 from bridge_cli.checkpoint.errors import CheckpointError
 from bridge_cli.config.errors import ConfigError
 from bridge_cli.convert.families.arcee import Arcee
+from bridge_cli.convert.families.dots1 import Dots1
 from bridge_cli.convert.families.gemma import Gemma
 from bridge_cli.convert.families.gemma2 import Gemma2
 from bridge_cli.convert.families.gemma3 import Gemma3
@@ -45,12 +46,13 @@ FAMILIES: dict[str, LlamaLike] = {family.model_type: family
                                   for family in (Llama(), Mistral(), Qwen2(), Qwen3(), Phi3(),
                                                  Mixtral(), Qwen3Moe(), Olmoe(), Gemma3(), Gemma2(), GptOss(), Gemma(),
                                                  Starcoder2(), Olmo2(), Qwen2Moe(), Glm4(), StableLm(), Gpt2(),
-                                                 SeedOss(), Arcee(), DeepseekV3(), DeepseekV2(), Glm4Moe())}
+                                                 SeedOss(), Arcee(), DeepseekV3(), DeepseekV2(), Glm4Moe(),
+                                                 Dots1())}
 """model_type -> its family, in the order export tries them."""
 
 INFERRED = ("llama", "mistral", "qwen2", "qwen3", "phi3",
             "mixtral", "qwen3_moe", "olmoe", "gemma3_text", "gemma2", "gpt_oss", "gemma", "starcoder2", "olmo2",
-            "qwen2_moe", "glm4", "stablelm", "gpt2", "arcee", "deepseek_v3", "deepseek_v2", "glm4_moe")
+            "qwen2_moe", "glm4", "stablelm", "gpt2", "arcee", "deepseek_v3", "deepseek_v2", "glm4_moe", "dots1")
 """The families export picks without --model-type."""
 
 

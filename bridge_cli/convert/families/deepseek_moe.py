@@ -51,6 +51,8 @@ class DeepSeekMoE(MoELike):
 
     experts_key = "n_routed_experts"
     all_layers_moe = False
+    mtp = True
+    """Whether the family's releases may hold multi-token-prediction layers (DeepSeek-V2's and dots.llm1's do not)."""
 
     def fields(self, hf: Mapping[str, Any], where: Path, seq_length=None) -> dict[str, Any]:
         if any(self.moe_layers(hf, where, hf_config.getter(hf, where)("num_hidden_layers"))):
@@ -64,7 +66,7 @@ class DeepSeekMoE(MoELike):
         """``mtp_num_layers``: config.json's ``num_nextn_predict_layers`` where the folder holds those layers (the
         Hub's releases), else none (transformers' saves, which drop them)."""
         depth, layers = hf.get("num_nextn_predict_layers") or 0, fields["num_layers"]
-        if not depth or f"{self.hf_layers}.{layers}.eh_proj.weight" not in tensors:
+        if not self.mtp or not depth or f"{self.hf_layers}.{layers}.eh_proj.weight" not in tensors:
             return {"mtp_num_layers": None}
         dense = hf.get("first_k_dense_replace")
         if layers <= dense < layers + depth:
@@ -109,9 +111,11 @@ class DeepSeekMoE(MoELike):
     # model fields -> config.json
 
     def differences(self, model: Mapping[str, Any]) -> list[str]:
+        extra_mtp = not self.mtp and model.get("mtp_num_layers")
+        mtp = [f"model.mtp_num_layers={model['mtp_num_layers']}"] if extra_mtp else []
         if not model.get("num_moe_experts"):  # a dense model: the router's fields do not matter
-            return [line for line in LlamaLike.differences(self, model) if not line.startswith("model.moe_")]
-        out = super().differences(model)
+            return [line for line in LlamaLike.differences(self, model) if not line.startswith("model.moe_")] + mtp
+        out = super().differences(model) + mtp
         pattern = moe_layer_pattern(model.get("moe_layer_freq", 1), model["num_layers"])
         if list(pattern) != sorted(pattern):  # the dense layers come first
             out.append(f"model.moe_layer_freq={model.get('moe_layer_freq')}")
@@ -120,11 +124,11 @@ class DeepSeekMoE(MoELike):
         return out
 
     def layer_config(self, model: Mapping[str, Any]) -> dict[str, Any]:
-        """config.json's keys of where the MoE layers start and of the MTP layers."""
+        """config.json's keys of where the MoE layers start and of the MTP layers (where the family has them)."""
         layers = model["num_layers"]
         pattern = moe_layer_pattern(model.get("moe_layer_freq", 1), layers) if model.get("num_moe_experts") else ()
-        return {"first_k_dense_replace": layers - sum(pattern),
-                "num_nextn_predict_layers": model.get("mtp_num_layers") or 0}
+        mtp = {"num_nextn_predict_layers": model.get("mtp_num_layers") or 0} if self.mtp else {}
+        return {"first_k_dense_replace": layers - sum(pattern), **mtp}
 
     def routing_config(self, model: Mapping[str, Any]) -> dict[str, Any]:
         """config.json's keys of the MoE layers' experts and router (none for a model of dense layers only)."""

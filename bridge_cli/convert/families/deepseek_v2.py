@@ -23,7 +23,7 @@ assumed, so both agree.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Collection, Mapping
+from typing import Any, Mapping
 
 from bridge_cli.convert import hf_config
 from bridge_cli.convert.families.deepseek_moe import ROUTED
@@ -54,16 +54,12 @@ class DeepseekV2(DeepseekV3):
     fixed = {key: value for key, value in moe_fixed(DENSE_FIXED, moe_router_pre_softmax=True).items()
              if key not in ROUTED}
     mapped_keys = (*MLA_KEYS, *ROUTING_KEYS)
+    mtp = False
     assumed = {"attention_bias": False, "mlp_bias": False, "norm_topk_prob": False, "moe_layer_freq": 1,
                "scoring_func": "softmax"}
     # head_dim: the config class sets it to qk_rope_head_dim whatever config.json says; pretraining_tp:
     # transformers 5 ignores it; num_key_value_heads: MLA expands the latent into every head's key and value
     inert_keys = (*INERT_KEYS, "pretraining_tp", "num_key_value_heads", "head_dim", *MOE_INERT_KEYS)
-
-    def tensor_fields(self, hf: Mapping[str, Any], where: Path, fields: Mapping[str, Any],
-                      tensors: Collection[str]) -> dict[str, Any]:
-        """No multi-token-prediction layers: DeepSeek-V2 has none, whatever the ``--recipe`` sets."""
-        return {"mtp_num_layers": None}
 
     def router_fields(self, hf: Mapping[str, Any], where: Path, topk: int) -> dict[str, Any]:
         get = hf_config.getter(hf, where)
@@ -119,8 +115,6 @@ class DeepseekV2(DeepseekV3):
 
     def differences(self, model: Mapping[str, Any]) -> list[str]:
         out = super().differences(model)
-        if model.get("mtp_num_layers"):
-            out.append(f"model.mtp_num_layers={model['mtp_num_layers']}")
         if model.get("num_moe_experts"):
             topk, groups = model["moe_router_topk"], model.get("moe_router_group_topk")
             if groups and topk // groups != 1:
@@ -132,7 +126,7 @@ class DeepseekV2(DeepseekV3):
 
     def hf_config(self, model: Mapping[str, Any]) -> dict[str, Any]:
         return {key: value for key, value in super().hf_config(model).items()
-                if key not in ("rope_interleave", "num_nextn_predict_layers")}
+                if key != "rope_interleave"}
 
     def hf_extras(self, model: Mapping[str, Any]) -> dict[str, Any]:
         if not model.get("num_moe_experts"):

@@ -160,6 +160,14 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "routed_scaling_factor": 1.0, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1,
         "norm_topk_prob": True, "use_qk_norm": False, "bos_token_id": None, "eos_token_id": None,
         "pad_token_id": None, "num_mtp_layers": 1},
+    "dots1": {"vocab_size": 152064, "hidden_size": 4608, "intermediate_size": 10944, "moe_intermediate_size": 1408,
+        "num_hidden_layers": 62, "num_attention_heads": 32, "num_key_value_heads": 32, "n_shared_experts": None,
+        "n_routed_experts": None, "output_router_logits": False, "n_group": 1, "topk_group": 1,
+        "num_experts_per_tok": None, "first_k_dense_replace": 0, "norm_topk_prob": False, "hidden_act": "silu",
+        "max_position_embeddings": 2048, "initializer_range": 0.02, "rms_norm_eps": 1e-06, "use_cache": True,
+        "tie_word_embeddings": False, "rope_parameters": None, "attention_bias": False, "attention_dropout": 0.0,
+        "routed_scaling_factor": 1.0, "sliding_window": 4096, "max_window_layers": 62, "layer_types": None,
+        "pad_token_id": None, "bos_token_id": None, "eos_token_id": None},
 }
 """model_type -> each field of its transformers config class (beyond PreTrainedConfig's) and its default."""
 
@@ -171,6 +179,7 @@ ALIASES: dict[str, dict[str, str]] = {
     "deepseek_v3": {"num_local_experts": "n_routed_experts", "num_mtp_layers": "num_nextn_predict_layers"},
     "deepseek_v2": {"num_experts": "n_routed_experts"},
     "glm4_moe": {"num_local_experts": "n_routed_experts", "num_mtp_layers": "num_nextn_predict_layers"},
+    "dots1": {"num_local_experts": "n_routed_experts"},
 }
 """model_type -> its config class's ``attribute_map``: a key config.json may use for another (transformers sets the
 other), so a field of the class named by the first holds the default of the second."""
