@@ -410,6 +410,20 @@ def test_dense_scale_on_the_cpu():
     assert len(found) == 2 and found[0] < out.index("\n\nrun ") < found[1], out
 
 
+@pytest.mark.parametrize("run", ["bf16", "fp8 tensorwise", "fp8 rowwise"])
+def test_fp8_convergence_at_llama8bs_shape_is_a_valid_4_gpu_run(run, monkeypatch, tmp_path):
+    """fp8_convergence.py --shape llama8b --gpus 4: each run's overrides pass validation on 4 GPUs (FSDP2, one
+    micro-batch of 8 rows each, byte-level vocabulary) and fit 80 GB."""
+    fp8_convergence = bench_module(monkeypatch, "fp8_convergence")
+    result = bridge("pretrain", *fp8_convergence.shape_overrides("llama8b", 4), f"dataset.blend=[{tmp_path / 'text'}]",
+                    *fp8_convergence.RUNS[run], "--dry-run", "--device", "cuda", "--world-size", "4",
+                    "--gpu-memory", "80")
+    assert result.returncode == 0, result.stderr[-3000:]
+    for line in ("micro_batch_size: 8", "hidden_size: 4096", "num_layers: 4", "use_torch_fsdp2: true",
+                 "verdict: fits"):
+        assert re.search(rf"^\s*{line}$", result.stdout, re.M), (line, result.stdout[-3000:])
+
+
 @pytest.mark.parametrize("layout, gpu, verdict", [("tp2", 80, "fits"), ("fsdp2", 80, "fits"), ("mfsdp", 80, "fits"),
                                                   ("dp", 80, "will not fit"), ("dpov", 80, "will not fit"),
                                                   ("dpov", 141, "fits")])
