@@ -10,7 +10,9 @@ Runs of `bridge pretrain` with the same global batch:
    over three late iterations: megatron-core has no timer around the token dispatcher, so the
    communication share is read from the trace (NCCL kernels by kind: send/recv for megatron-core's
    all-to-all, all-gather and reduce-scatter for bridge's token exchange and the distributed
-   optimizer, against the GPU time of the profiled steps);
+   optimizer, against the GPU time of the profiled steps). The one-GPU run is profiled over the same
+   iterations, and a table sets each kernel kind's time per micro-batch on one GPU beside EP's: where
+   the extra time of a micro-batch under EP goes (communication, idle GPU, GEMMs of uneven size);
 3. the same EP layout on a small shape (``--resume-overrides``, so the checkpoint stays a few GB)
    saving at iteration 4, then one process resuming it to iteration 8, and one process running the
    8 iterations straight through for comparison.
@@ -48,6 +50,9 @@ EP_LOAD = re.compile(r"^iteration\s+(\d+)/\d+ .*\| ep load max/mean ([0-9.]+) ",
 mean, summed over the log interval (bridge_cli/logging/expert_load.py)."""
 TOKENS = re.compile(r"^iteration\s+(\d+)/\d+ .*\| tokens/s/gpu ([0-9,]+) ", re.M)
 KERNEL_TABLE = re.compile(r"^GPU time of .*by kernel kind:\n(?:  .*\n)+", re.M)
+KIND_ROW = re.compile(r"^  (\S.*?)\s+([0-9.]+)\s+[0-9.]+%$", re.M)
+MICRO_BATCHES = re.compile(r"\((\d+) micro-batch(?:es)? of \d+\)")
+"""The start-up line's micro-batches a step on each rank."""
 TIMER = re.compile(r"^\s+(forward-backward|forward-compute|backward-compute|all-grads-sync|params-all-gather|"
                    r"optimizer)\s*\.*:\s*\(([0-9.]+), ([0-9.]+)\)", re.M)
 # CPU initialization draws every expert the same under any expert-parallel size (on the GPU each
@@ -84,7 +89,36 @@ def summary(out: str, warmup: int = 3, loss: re.Pattern = LOSS) -> dict:
             "tflops": statistics.median(tf for _, tf in rows) if rows else float("nan"),
             "peak": float(peak.group(1)) if peak else float("nan"),
             "ep_load": statistics.median(loads) if loads else float("nan"),
-            "timers": {name: float(high) for name, _, high in TIMER.findall(out)}}  # the last interval's
+            "timers": {name: float(high) for name, _, high in TIMER.findall(out)},  # the last interval's
+            "kinds": kinds_per_micro_batch(out)}
+
+
+def kinds_per_micro_batch(out: str) -> dict:
+    """The profiled iterations' GPU time by kernel kind (bridge's table) per micro-batch of the rank, in ms; empty
+    where the log has no table (no profiler, a CPU)."""
+    table, micro = KERNEL_TABLE.search(out), MICRO_BATCHES.search(out)
+    if not table or not micro:
+        return {}
+    return {kind: float(ms) / int(micro.group(1)) for kind, ms in KIND_ROW.findall(table.group(0))}
+
+
+def kind_comparison(name: str, one: dict, other: dict) -> str:
+    """Per micro-batch, each kernel kind's milliseconds on one GPU and in run ``name``, and the difference: where
+    expert parallelism's extra time goes at the same micro-batch ("" where either run has no table)."""
+    if not one or not other:
+        return ""
+    lines = [f"GPU time per micro-batch by kernel kind (ms), one GPU against {name}:",
+             f"  {'kind':<28} {'one GPU':>8} {name:>8} {'more':>8}"]
+    for kind in sorted(set(one) | set(other), key=lambda k: -(other.get(k, 0) - one.get(k, 0))):
+        a, b = one.get(kind, 0.0), other.get(kind, 0.0)
+        lines.append(f"  {kind:<28} {a:>8.2f} {b:>8.2f} {b - a:>+8.2f}")
+    return "\n".join(lines)
+
+
+def profiled(iters: int, trace_dir: Path) -> list[str]:
+    """Overrides that profile iterations ITERS-4..ITERS-2 into ``trace_dir`` (bridge prints its kernel-kind table)."""
+    return ["profiling.use_pytorch_profiler=true", f"profiling.profile_step_start={iters - 4}",
+            f"profiling.profile_step_end={iters - 2}", f"logger.tensorboard_dir={trace_dir}"]
 
 
 def report(name: str, r: dict) -> dict:
@@ -194,9 +228,7 @@ def expert_parallel(size: int, base: list[str], iters: int, tmp: Path) -> dict:
     first, last = iters - 4, iters - 2
     trace_dir = tmp / f"tb_ep{size}"
     out = run([*torchrun(size), *base, f"train.train_iters={iters}", f"model.expert_model_parallel_size={size}",
-               "logger.timing_log_level=2", "profiling.use_pytorch_profiler=true",
-               f"profiling.profile_step_start={first}", f"profiling.profile_step_end={last}",
-               f"logger.tensorboard_dir={trace_dir}"])[0]
+               "logger.timing_log_level=2", *profiled(iters, trace_dir)])[0]
     result = report(f"EP={size} on {size} GPUs", summary(out))
     kinds = KERNEL_TABLE.search(out)
     if kinds:  # rank 0's GPU time by kernel kind, as bridge printed it
@@ -263,10 +295,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         # each result as soon as its run ends, so a time limit keeps what finished
-        one = report("one GPU", summary(run([*bridge, *single, f"train.train_iters={args.iters}"])[0]))
+        one = report("one GPU", summary(run([*bridge, *single, f"train.train_iters={args.iters}",
+                                             *profiled(args.iters, tmp / "tb_one")])[0]))
         runs = {"one GPU": one}
         for size in args.ep:
             runs[f"EP={size}"] = expert_parallel(size, base, args.iters, tmp)
+            comparison = kind_comparison(f"EP={size}", one["kinds"], runs[f"EP={size}"]["kinds"])
+            if comparison:
+                print(comparison, flush=True)
         titan_runs = {size: titan(args.titan, size, titan_flags, args.iters) for size in args.ep} if args.titan else {}
         for size, theirs in titan_runs.items():
             if theirs:

@@ -146,6 +146,31 @@ def test_moe_ep_runs_one_gpu_without_the_exchange_fields(monkeypatch):
     assert refused.returncode == 2 and "model.moe_exchange_chunks" in refused.stderr, refused.stderr[-2000:]
 
 
+def test_moe_ep_sets_each_kernel_kinds_time_per_micro_batch_beside_one_gpus(monkeypatch):
+    """The logs as bridge writes them (its start-up line's micro-batches and the profiler's kernel-kind table): one
+    GPU's 16 micro-batches a step against EP=4's 4, per micro-batch, the largest increase first; a kind one run lacks
+    counts 0 there; no table, no comparison."""
+    from bridge_cli.training.kernel_breakdown import Share, table
+
+    moe_ep = bench_module(monkeypatch, "moe_ep")
+
+    def log(micro_batches: int, shares: list) -> str:
+        return (f"bridge: cuda (nccl), world 4 = TP 1 x PP 1 x CP 1 x DP 4; GPTModel 8 layers, 1.00M parameters on "
+                f"rank 0 (torch spec); 12 iterations x 32 samples x 4096 tokens ({micro_batches} micro-batches of 2)\n"
+                + table(shares, "GPU time of iterations 8..10, per iteration, by kernel kind:") + "\n")
+
+    one = moe_ep.kinds_per_micro_batch(log(16, [Share("GEMM", 800.0, 0.6), Share("GPU idle between kernels", 80.0,
+                                                                                   0.06)]))
+    ep = moe_ep.kinds_per_micro_batch(log(4, [Share("communication", 228.4, 0.41), Share("GEMM", 221.2, 0.39),
+                                              Share("GPU idle between kernels", 70.0, 0.125)]))
+    assert one == {"GEMM": 50.0, "GPU idle between kernels": 5.0}
+    assert ep == pytest.approx({"communication": 57.1, "GEMM": 55.3, "GPU idle between kernels": 17.5})
+    lines = moe_ep.kind_comparison("EP=4", one, ep).splitlines()
+    assert lines[2].split() == ["communication", "0.00", "57.10", "+57.10"]
+    assert lines[3].split()[-1] == "+12.50" and lines[4].split()[-1] == "+5.30"
+    assert moe_ep.kind_comparison("EP=4", {}, ep) == ""
+
+
 def test_moe_ep_reads_how_much_of_the_collectives_ran_beside_compute(monkeypatch, tmp_path):
     """moe_ep.py's trace reading: an all-gather half under one GEMM, a reduce-scatter under two GEMMs that overlap each
     other and under none for its last 10 us, a GEMM alone; two steps."""
