@@ -56,7 +56,13 @@ INFERRED = ("llama", "mistral", "qwen2", "qwen3", "phi3",
 """The families export picks without --model-type."""
 
 
-REFUSED: dict[str, str] = {}
+REFUSED: dict[str, str] = {
+    "olmo3": ("its long-context releases (Olmo-3-7B-Think and Olmo-3.1-32B-Think among them) scale RoPE with YaRN "
+              "(rope_scaling: factor 8 from 8192 positions, attention_factor 1.208) in their full-attention layers "
+              "only, as transformers applies it, and keep plain RoPE in their sliding-window layers; megatron-core's "
+              "YaRN rotates and scales every layer, and bridge's sliding-window rotary table (local_rotary_base) sits "
+              "beside a plain or Llama 3.1-scaled one only"),
+}
 """Hugging Face model types bridge knows and does not convert yet: why, for the refusal."""
 
 
