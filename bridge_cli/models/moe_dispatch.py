@@ -17,7 +17,8 @@ expert, tokens ascending within each). Their number changes from step to step wh
 only some experts, so the buffers have room for the most there can be (every gathered token sending
 min(topk, local experts) pairs here) and the real count stays on the GPU: grouped GEMMs stop at
 their last offset and the row gathers and sums skip the tail (:mod:`bridge_cli.models.moe_rows`).
-The tail costs memory (EP times the expected rows at most) and no time. Each token's outputs are
+The tail costs memory (EP times the expected rows at most) and no time; with a capacity factor the buffers
+hold at most that factor times the expected rows (:func:`~bridge_cli.models.dispatch_room.room`). Each token's outputs are
 summed with a gather in fp32 (one rounding instead of one per expert). Fixed shapes and no host
 reads also let ``model.compile_layers`` compile the MoE layers whole, at any expert-parallel size.
 
@@ -37,6 +38,7 @@ import torch.distributed._functional_collectives as funcol
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
+from bridge_cli.models.dispatch_room import room
 from bridge_cli.models.moe_rows import GatherRows, MaskGradient, SumRows
 
 
@@ -54,6 +56,9 @@ class DeviceTokenDispatcher(MoETokenDispatcher):
         self.local = slice(replaced.local_expert_indices[0],
                            replaced.local_expert_indices[0] + replaced.num_local_experts)
         self.slots = min(replaced.config.moe_router_topk, replaced.num_local_experts)
+        self.room: int | None = None
+        """Rows of the permuted buffer (:func:`~bridge_cli.models.dispatch_room.room`), set from each micro-batch's token
+        count in :meth:`dispatch_preprocess`: with a capacity factor fewer than every token's ``slots`` pairs."""
         self.group_size = self.tp_size * self.ep_size
         self.all_experts_here = replaced.num_local_experts == replaced.config.num_moe_experts
         # with every expert here and no capacity to drop pairs, each token sends exactly topk pairs: no tail to skip
@@ -74,6 +79,9 @@ class DeviceTokenDispatcher(MoETokenDispatcher):
     def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
         self.hidden_shape = hidden_states.shape
         self.routing_map = routing_map
+        config = self.config
+        self.room = room(routing_map.shape[0], self.group_size, self.local.stop - self.local.start,
+                         config.num_moe_experts, config.moe_router_topk, config.moe_expert_capacity_factor)
         return hidden_states.view(-1, hidden_states.shape[-1]), probs
 
     def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
@@ -100,7 +108,7 @@ class DeviceTokenDispatcher(MoETokenDispatcher):
         experts = local_map.shape[1]
         # (expert, token) pairs flattened expert-major; the selected ones first, in that order
         order = torch.argsort(local_map.t().reshape(-1).logical_not().to(torch.int8), stable=True)
-        pairs = order[: tokens * self.slots]
+        pairs = order[: min(tokens * self.slots, self.room)]  # a chunk's tokens, or room for the whole micro-batch
         tokens_per_expert = local_map.sum(dim=0)
         count = None if self.exactly_topk else tokens_per_expert.sum()
         row_of_pair = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))

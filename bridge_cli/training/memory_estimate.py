@@ -43,6 +43,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from bridge_cli.models.dispatch_room import room
+
 GIB = 1024 ** 3
 CONTEXT_BYTES = 2 * GIB
 """CUDA context, cuBLAS/cuDNN workspaces and caching-allocator slack that max_memory_allocated does not count."""
@@ -86,6 +88,8 @@ class RunShape:
     shared_ffn: int
     moe_pattern: tuple[bool, ...]
     device_dispatch: bool
+    capacity_factor: Optional[float]
+    """model.moe_expert_capacity_factor where pairs past it are dropped (not padded), else None."""
     tp: int
     pp: int
     vpp: int
@@ -273,7 +277,8 @@ def model_dims(m) -> dict[str, Any]:
         experts=m.num_moe_experts or 0, topk=m.moe_router_topk, expert_ffn=m.moe_ffn_hidden_size or m.ffn_hidden_size,
         shared_ffn=m.moe_shared_expert_intermediate_size or 0,
         moe_pattern=pattern if m.num_moe_experts else (False,) * m.num_layers,
-        device_dispatch=bool(m.num_moe_experts) and device_dispatch_blocker(m) is None)
+        device_dispatch=bool(m.num_moe_experts) and device_dispatch_blocker(m) is None,
+        capacity_factor=None if m.moe_pad_expert_input_to_capacity else m.moe_expert_capacity_factor)
 
 
 def _objective(cfg) -> dict[str, Any]:
@@ -373,7 +378,8 @@ def _layer_parts(s: RunShape, moe: bool) -> dict[str, float]:
         return parts
     parts["router"] = 12 * s.experts * full  # fp32 logits, probabilities and scores
     local = s.experts // s.ep
-    rows = full * s.etp * (s.ep * min(s.topk, local) if s.device_dispatch else s.topk)
+    rows = (room(int(full), s.etp * s.ep, local, s.experts, s.topk, s.capacity_factor) if s.device_dispatch
+            else full * s.etp * s.topk)
     ffn = s.expert_ffn / s.etp
     parts["moe_rows"] = a * (h + ffn * (2 if s.gated else 1)) * rows
     parts["moe_act"] = a * ffn * rows

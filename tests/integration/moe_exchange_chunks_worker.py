@@ -97,7 +97,7 @@ def program_order(args) -> dict:
         return (x @ weight) * probs.unsqueeze(-1), None
 
     def exchange(hidden, probs, routing_map):
-        dispatcher.routing_map = routing_map
+        hidden, probs = dispatcher.dispatch_preprocess(hidden, routing_map, probs)  # as the MoE layer calls it first
         return dispatcher.experts_in_chunks(hidden, probs, experts)
 
     generator = torch.Generator().manual_seed(torch.distributed.get_rank())

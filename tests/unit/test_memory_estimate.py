@@ -4,6 +4,7 @@ table of estimates against measured peaks as the dry run prints them."""
 
 from __future__ import annotations
 
+import math
 import re
 import shlex
 
@@ -117,13 +118,19 @@ def test_moe_activations_by_hand_with_rows_for_the_most_pairs_a_rank_can_get():
     shared = TOKENS * 4 * 3 * 128  # the shared expert's fc1 halves and fc2 input
     per_row = 4 * (128 + 2 * 128 + 128)  # a routed row, its fc1 halves and its fc2 input
 
-    def activations(ep: int) -> int:
-        moe_layer = attention + router + shared + TOKENS * ep * min(2, 8 // ep) * per_row
+    def activations(ep: int, rows: int = 0) -> int:
+        moe_layer = attention + router + shared + (rows or TOKENS * ep * min(2, 8 // ep)) * per_row
         return TINY_LAYER_ACTIVATIONS + 3 * moe_layer + TINY_HEAD + max(TINY_LAYER_ACTIVATIONS, moe_layer) - TINY_LOGITS
 
     shape = shape_of(validated("tiny_moe"), 1)
     assert estimate(shape).activations == activations(1)
     assert estimate(with_changes(shape, ep=2, world=2)).activations == activations(2)
+    # a capacity factor of 0.5: each rank sends each expert at most ceil(TOKENS x 2 / 8 x 0.5) pairs, so EP=2's rank
+    # (4 experts) gets at most 2 x 4 x that rows, the expected count, not the most there can be
+    capped = with_changes(shape, ep=2, world=2, capacity_factor=0.5)
+    rows = 2 * 4 * math.ceil(TOKENS * 2 / 8 * 0.5)
+    assert rows < TOKENS * 2 * 2
+    assert estimate(capped).activations == activations(2, rows)
 
 
 def test_micro_batches_in_flight_on_the_first_pipeline_stage():

@@ -138,6 +138,25 @@ def test_the_unused_tail_reaches_no_output_and_no_gradient(one_process):
     assert (probs.grad[:, 4:] == 0).all()  # experts of other ranks get their gradient there
 
 
+def test_a_capacity_factor_shrinks_the_buffers_to_the_pairs_the_router_lets_through(one_process):
+    """Capacity 0.5 over 8 experts and top-2: each expert takes at most ceil(6 x 2 / 8 x 0.5) = 1 pair of the 6 tokens,
+    so a rank holding experts 0-3 needs room for 4 rows, not the 12 of every token's two pairs; routing that keeps to
+    the capacity (as megatron-core's router leaves it) runs through the smaller buffers to the same sums."""
+    dispatcher = holding_experts_0_to_3(moe_layers(build(moe_router_topk=2, moe_expert_capacity_factor=0.5))[0])
+    hidden = torch.randn(6, 1, 64)
+    routing_map = torch.zeros(6, 8, dtype=torch.bool)
+    for token, pair in enumerate([(0, 7), (3, 5), (6, 7), (1, 4), (2, 5), (4, 6)]):
+        routing_map[token, list(pair)] = True
+    probs = torch.rand(6, 8) * routing_map
+    tokens, probs_in = dispatcher.dispatch_preprocess(hidden, routing_map, probs)
+    permuted, counts, permuted_probs = dispatcher.dispatch_postprocess(*dispatcher.token_dispatch(tokens, probs_in))
+    assert dispatcher.room == 4 and permuted.shape[0] == 4 and int(counts.sum()) == 4
+    out = dispatcher.combine_postprocess(dispatcher.token_combine(dispatcher.combine_preprocess(
+        permuted * permuted_probs.unsqueeze(-1))))
+    expected = (hidden[:, 0].unsqueeze(1) * (probs[:, :4] * routing_map[:, :4]).unsqueeze(-1)).sum(1)
+    torch.testing.assert_close(out[:, 0], expected)
+
+
 def test_the_pair_counter_lives_where_the_layer_is_when_the_log_reads_it(one_process):
     """``ep load max/mean`` counts each rank's (token, expert) pairs on its device. With
     ``model.use_cpu_initialization`` the layers are built on the host and moved after the dispatcher is installed, so
