@@ -26,7 +26,7 @@ import torch
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 from megatron.core.transformer.module import MegatronModule
 
-from bridge_cli.models import grouped_wgrad
+from bridge_cli.models import expert_activation, grouped_wgrad
 
 
 _EXTRA_STATE = "extra_state_of_expert_"
@@ -45,6 +45,9 @@ class GroupedGemmExperts(MegatronModule):
         tp = self.tp_group.size()
         ffn = config.moe_ffn_hidden_size // tp
         self.gated = config.gated_linear_unit
+        # rows past the count (a rank with some of the experts, or pairs dropped at capacity) skip the activation
+        spread = num_local_experts < config.num_moe_experts or config.moe_expert_capacity_factor is not None
+        self.counted_activation = spread and expert_activation.applies(config)
         device = "cpu" if config.use_cpu_initialization or not torch.cuda.is_available() else torch.cuda.current_device()
         fc1_out = 2 * ffn if self.gated else ffn
         self.weight1 = torch.nn.Parameter(torch.empty(num_local_experts, fc1_out, config.hidden_size,
@@ -100,8 +103,11 @@ class GroupedGemmExperts(MegatronModule):
             hidden = (probs.unsqueeze(-1) * hidden).to(hidden.dtype)
             probs = torch.ones_like(probs)
         intermediate = self.project("linear_fc1", hidden, tokens_per_expert)
-        intermediate = self._activation(intermediate)
-        intermediate = (intermediate * probs.unsqueeze(-1)).to(hidden.dtype)
+        if self.counted_activation:
+            intermediate = expert_activation.swiglu_probs(intermediate, probs, tokens_per_expert.sum())
+        else:
+            intermediate = self._activation(intermediate)
+            intermediate = (intermediate * probs.unsqueeze(-1)).to(hidden.dtype)
         return self.project("linear_fc2", intermediate, tokens_per_expert), None
 
     def project(self, linear: str, x: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:

@@ -56,6 +56,33 @@ def test_row_kernels_and_grouped_gemm_stop_at_the_count_on_the_gpu():
     torch.testing.assert_close(out[:613].float(), loop.float(), rtol=2e-2, atol=2e-1)
 
 
+@pytest.mark.parametrize("ffn", [768, 1408, 100])  # moe_proxy's, DeepSeek-V2-Lite's, and less than a block
+def test_the_counted_expert_activation_equals_torchs_below_the_count(ffn):
+    """expert_activation's Triton kernels on a buffer whose tail holds NaN: below the count the values and both
+    gradients are those of torch's SwiGLU times the probabilities (fp32 math, one rounding); past it the
+    probabilities' gradient is zero and nothing is NaN-poisoned above it."""
+    from bridge_cli.models.expert_activation import swiglu_probs
+
+    torch.manual_seed(0)
+    rows, count = 1000, 613
+    x = torch.randn(rows, 2 * ffn, device="cuda", dtype=torch.bfloat16)
+    x[count:] = float("nan")
+    x.requires_grad_()
+    probs = torch.rand(rows, device="cuda", requires_grad=True)
+    grad = torch.randn(rows, ffn, device="cuda", dtype=torch.bfloat16)
+    out = swiglu_probs(x, probs, torch.tensor(count, device="cuda"))
+    out.backward(grad)
+    ours = out[:count].float(), x.grad[:count].float(), probs.grad.clone()
+    x.grad = probs.grad = None
+    gate, up = x[:count].float().chunk(2, dim=-1)
+    expected = torch.nn.functional.silu(gate) * up * probs[:count].unsqueeze(-1)
+    expected.backward(grad[:count].float())
+    torch.testing.assert_close(ours[0], expected.detach().to(torch.bfloat16).float(), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(ours[1], x.grad[:count].float(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(ours[2][:count], probs.grad[:count], rtol=1e-3, atol=1e-3)
+    assert (ours[2][count:] == 0).all() and torch.isfinite(ours[0]).all() and torch.isfinite(ours[1]).all()
+
+
 def test_tiny_moe_trains_with_grouped_experts_in_bf16():
     result = bridge("pretrain", "recipe=tiny_moe", "mixed_precision=bf16_mixed", "model.moe_grouped_gemm=true",
                     "train.train_iters=30", "logger.log_interval=5", "train.eval_iters=0")
