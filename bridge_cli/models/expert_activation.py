@@ -26,13 +26,10 @@ from bridge_cli.runtime.triton_support import available as triton_available
 
 
 def applies(config) -> bool:
-    """Whether :func:`swiglu_probs` is the experts' activation: SwiGLU as megatron-core's plain ``silu`` gate (no
-    clamp, no offset on the linear half), behind bridge's token dispatcher (whose counts live on the GPU)."""
-    from bridge_cli.models.moe_checks import device_dispatch_blocker
-
+    """Whether :func:`swiglu_probs` computes the experts' activation of ``config``: SwiGLU with megatron-core's plain
+    ``silu`` gate (no clamp, no offset on the linear half)."""
     return (config.gated_linear_unit and config.activation_func is F.silu
-            and config.activation_func_clamp_value is None and not config.glu_linear_offset
-            and device_dispatch_blocker(config) is None)
+            and config.activation_func_clamp_value is None and not config.glu_linear_offset)
 
 
 def swiglu_probs(x: torch.Tensor, probs: torch.Tensor, count: torch.Tensor) -> torch.Tensor:

@@ -38,7 +38,9 @@ import torch.distributed._functional_collectives as funcol
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
+from bridge_cli.models import expert_activation
 from bridge_cli.models.dispatch_room import room
+from bridge_cli.models.moe_experts import GroupedGemmExperts
 from bridge_cli.models.moe_rows import GatherRows, MaskGradient, SumRows
 
 
@@ -299,6 +301,9 @@ def use_device_token_dispatch(model: torch.nn.Module) -> None:
                 and type(layer.token_dispatcher) in (MoEAlltoAllTokenDispatcher, MoEAllGatherTokenDispatcher)):
             chunks = layer.config.moe_exchange_chunks
             layer.token_dispatcher = DeviceTokenDispatcher(layer.token_dispatcher, chunks)
+            if isinstance(layer.experts, GroupedGemmExperts):  # rows past the count (experts spread, or dropped)
+                layer.experts.counted_activation = (not layer.token_dispatcher.exactly_topk
+                                                    and expert_activation.applies(layer.config))
             if chunks > 1:
                 if type(layer) is not MoELayer:
                     raise ValueError(f"model.moe_exchange_chunks chunks megatron-core's MoELayer, and this layer is a "

@@ -45,9 +45,9 @@ class GroupedGemmExperts(MegatronModule):
         tp = self.tp_group.size()
         ffn = config.moe_ffn_hidden_size // tp
         self.gated = config.gated_linear_unit
-        # rows past the count (a rank with some of the experts, or pairs dropped at capacity) skip the activation
-        spread = num_local_experts < config.num_moe_experts or config.moe_expert_capacity_factor is not None
-        self.counted_activation = spread and expert_activation.applies(config)
+        self.counted_activation = False
+        """Whether the activation stops at the count of real rows (expert_activation.swiglu_probs): set where bridge's
+        token dispatcher fills a buffer longer than its count (moe_dispatch.use_device_token_dispatch)."""
         device = "cpu" if config.use_cpu_initialization or not torch.cuda.is_available() else torch.cuda.current_device()
         fc1_out = 2 * ffn if self.gated else ffn
         self.weight1 = torch.nn.Parameter(torch.empty(num_local_experts, fc1_out, config.hidden_size,
