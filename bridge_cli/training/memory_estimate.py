@@ -28,9 +28,11 @@ The estimate adds, for the pipeline stage that holds the most:
   model's width laid out as rows of the model's, held with the model's own for every micro-batch in flight;
 - a fixed allowance for what torch's allocator does not count (the CUDA context, NCCL's buffers).
 
-What it leaves out: FP8 (estimated as bf16: an upper bound with ``model.compile_layers``, whose graphs
-keep no fp8 copy of a weight; eager tensor-wise FP8 under torch FSDP2 keeps each FP8 layer's whole weight in fp8
-for its backward, 1 byte a parameter, more than the fp8 copies of its inputs save: llama8b about +1.9 GiB,
+- FP8 (tensor-wise, compiled layers, bridge's FP8 linears): each layer that runs in FP8 keeps
+  :data:`FP8_LAYER_ACTIVATIONS` of what it keeps in bf16, a measured ratio.
+
+What it leaves out: other FP8 (estimated as bf16: row-wise and eager layers; eager tensor-wise FP8 under torch FSDP2 keeps each FP8 layer's whole weight in fp8 for its backward, 1 byte a
+parameter, more than the fp8 copies of its inputs save: llama8b about +1.9 GiB,
 tests/integration/test_fp8_fsdp_cpu.py), activation offloading, router imbalance under
 megatron-core's dispatchers (the average is used), allocator fragmentation beyond the allowance. Measured
 against the peaks of docs/performance.md in docs/parallelism.md#memory-per-gpu.
@@ -55,6 +57,11 @@ DISTILL_LOGIT_BYTES = 32
 """Bytes per token per vocabulary entry at distillation's loss, its peak: the teacher's fp32 logits, the model's fp32
 logits and the KL's fp32 log-softmaxes and softmaxes of both (measured: 28 bytes on top of the teacher's 4, the
 same with and without distill.ce_weight)."""
+FP8_LAYER_ACTIVATIONS = 0.68
+"""What a compiled layer keeps for its backward in tensor-wise FP8, over what it keeps in bf16. Measured: this one
+ratio puts four FP8 peaks about as close as their bf16 runs (docs/parallelism.md#memory-per-gpu): the
+1.5B proxy with 14 of its 16 layers in FP8 (48.3 -> 43.1 GiB, one H100), llama8b under FSDP2 with 30 and 32 of 32
+(68.5 -> 58.2 and 57.5 GiB) and under the distributed optimizer with 32 (89.6 -> 78.6 GiB, 4 H200s)."""
 FROZEN_OUTPUT_BYTES = 8
 """Bytes per entry of a teacher's output as it is made: the bf16 logits, their [b, s] copy and the fp32 copy."""
 
@@ -132,6 +139,8 @@ class RunShape:
     """DPO without peft: the reference is a frozen copy of the weights."""
     teacher: Optional[tuple[tuple[str, Any], ...]] = None
     """Distillation: the teacher's shape fields (:func:`model_dims`), run in the model's layout; None when unknown."""
+    fp8_layers: tuple[bool, ...] = ()
+    """Per layer, whether it keeps :data:`FP8_LAYER_ACTIVATIONS` of its bf16 activations (empty: none does)."""
 
     @property
     def param_bytes(self) -> int:
@@ -254,8 +263,19 @@ def shape_of(cfg, world_size: int) -> RunShape:
         attention_dropout=m.attention_dropout > 0, hidden_dropout=m.hidden_dropout > 0,
         loss=loss, loss_chunk=m.linear_cross_entropy_chunk,
         lora=(lora.dim, tuple(lora.target_modules)) if lora is not None else None, mtp=m.mtp_num_layers or 0,
-        fsdp=fsdp, **_objective(cfg),
+        fsdp=fsdp, fp8_layers=_fp8_layers(m, spec), **_objective(cfg),
     )
+
+
+def _fp8_layers(m, spec: str) -> tuple[bool, ...]:
+    """Which layers :data:`FP8_LAYER_ACTIVATIONS` applies to: with tensor-wise FP8 on bridge's FP8 linears (``torch``
+    and ``local`` specs), compiled, the layers that megatron-core's ``is_first_last_bf16_layer`` does not keep in
+    bf16 (megatron-core refuses FP8 with experts where Transformer Engine is missing, so every layer here is dense)."""
+    if not (m.fp8 and m.fp8_recipe == "tensorwise" and m.compile_layers and spec in ("torch", "local")):
+        return ()
+    start = m.num_layers_at_start_in_bf16 if m.first_last_layers_bf16 else 0
+    end = m.num_layers_at_end_in_bf16 if m.first_last_layers_bf16 else 0
+    return tuple(start <= i < m.num_layers - end for i in range(m.num_layers))
 
 
 def model_dims(m) -> dict[str, Any]:
@@ -439,7 +459,8 @@ def _activations(s: RunShape, layers: list[int], in_flight: float) -> tuple[floa
     its gradients, and the layers recompute rebuilds)."""
     if not layers:
         return 0.0, 0.0
-    saved = [_saved(s, s.moe_pattern[i]) for i in layers]
+    saved = [_saved(s, s.moe_pattern[i]) * (FP8_LAYER_ACTIVATIONS if s.fp8_layers and s.fp8_layers[i] else 1.0)
+             for i in layers]
     full = max(sum(_layer_parts(s, s.moe_pattern[i]).values()) for i in layers)
     if s.recompute == "full" and s.recompute_method == "block":
         per_chunk = math.ceil(len(layers) / s.vpp)

@@ -133,6 +133,41 @@ def test_moe_activations_by_hand_with_rows_for_the_most_pairs_a_rank_can_get():
     assert estimate(capped).activations == activations(2, rows)
 
 
+FP8 = ("mixed_precision=bf16_with_fp8_current_scaling_mixed",)
+
+
+@pytest.mark.parametrize("overrides, kept_bf16", [
+    ((), {0, 31}),  # the preset's first and last layers (megatron-core's is_first_last_bf16_layer)
+    (("model.first_last_layers_bf16=false",), set()),
+    (("model.num_layers_at_start_in_bf16=3", "model.num_layers_at_end_in_bf16=2"), {0, 1, 2, 30, 31}),
+])
+def test_fp8_layers_keep_the_measured_share_of_their_activations(overrides, kept_bf16):
+    """Tensor-wise FP8, compiled (the preset): each FP8 layer's saved activations are FP8_LAYER_ACTIVATIONS of its
+    bf16 ones, the layers megatron-core keeps in bf16 are counted in full; the backward's working set and the rest of
+    the estimate do not change."""
+    from megatron.core.fp8_utils import is_first_last_bf16_layer
+
+    from bridge_cli.training.memory_estimate import FP8_LAYER_ACTIVATIONS
+
+    from bridge_cli.training.memory_estimate import _saved
+
+    cfg = validated("llama8b", "train.global_batch_size=16", *FP8, *overrides, world=4)
+    shape = shape_of(cfg, 4)
+    assert {i for i, fp8 in enumerate(shape.fp8_layers) if not fp8} == kept_bf16
+    assert all(is_first_last_bf16_layer(cfg.model, i) == (i in kept_bf16) for i in range(32))
+    bf16, fp8 = estimate(with_changes(shape, fp8_layers=())), estimate(shape)
+    assert fp8.weights == bf16.weights and fp8.logits == bf16.logits
+    drop = bf16.activations - fp8.activations
+    assert drop == pytest.approx((32 - len(kept_bf16)) * (1 - FP8_LAYER_ACTIVATIONS) * _saved(shape, False), rel=1e-9)
+
+
+@pytest.mark.parametrize("overrides", [("mixed_precision=bf16_with_fp8_rowwise_mixed",),
+                                       (*FP8, "model.compile_layers=false")], ids=["rowwise", "eager"])
+def test_fp8_is_counted_as_bf16_where_it_was_not_measured(overrides):
+    cfg = validated("llama8b", "train.global_batch_size=16", *overrides, world=4)
+    assert not any(shape_of(cfg, 4).fp8_layers)
+
+
 def test_micro_batches_in_flight_on_the_first_pipeline_stage():
     pipeline = ["model.num_layers=8", "train.global_batch_size=32"]  # 8 micro-batches of 4
     plain = estimate_memory(validated("tiny", *pipeline, "model.pipeline_model_parallel_size=4", world=4), 4)
@@ -342,7 +377,7 @@ TABLE_ROW = re.compile(r"^\| .*? \| `(bridge pretrain [^`]+)` \| [^|]+ \| [^|]+ 
 
 def test_the_table_of_estimates_is_what_the_dry_run_prints(cli):
     rows = TABLE_ROW.findall(section("docs/parallelism.md", "Memory per GPU"))
-    assert len(rows) == 14
+    assert len(rows) == 17
     for command, measured, documented, deviation in rows:
         result = cli(*shlex.split(command)[1:])
         assert result.exit_code == 0, (command, result.output)
