@@ -155,6 +155,10 @@ MODELS = {
         num_experts_per_tok=2, n_group=2, topk_group=1, moe_intermediate_size=48, n_shared_experts=2,
         norm_topk_prob=True, routed_scaling_factor=2.5, tie_word_embeddings=False, sliding_window=8,
         max_window_layers=1), None),
+    # ERNIE 4.5: RoPE on interleaved pairs of whole heads, head_dim (32) other than hidden/heads (16), tied embeddings
+    # and RoPE base 500000 (the config class's defaults), attention dropout that transformers does not apply
+    "ernie4_5": ("Ernie4_5Config", "Ernie4_5ForCausalLM", dict(vocab_size=512, head_dim=32, attention_dropout=0.1),
+                 None),
 }
 WINDOWS = {"mistral": ([7, 0], [1, 1]), "mixtral": ([7, 0], [1, 1]), "phi3": ([7, 0], [1, 1]),
            "starcoder2": ([7, 0], [1, 1]), "qwen3_moe": ([7, 0], [1, 1]), "qwen2": ([7, 0], [0, 1]),
@@ -304,11 +308,13 @@ def logits_at_tp1(checkpoints: dict[str, Path], tokens_file: Path, out: Path) ->
 
 @pytest.mark.slow
 def test_a_key_config_json_leaves_out_means_transformers_default(work, hf_dirs, tokens):
-    """StarCoder2 ties its embeddings and Mixtral's RoPE base is 1e6 when config.json does not say, GLM-4 and StableLM
-    rotate half and a quarter of each head: transformers' config classes' defaults, which the import must take."""
+    """StarCoder2 and ERNIE 4.5 tie their embeddings and Mixtral's RoPE base is 1e6 (ERNIE 4.5's 5e5) when config.json
+    does not say, GLM-4 and StableLM rotate half and a quarter of each head: transformers' config classes' defaults,
+    which the import must take."""
     drops = {"starcoder2": {"tie_word_embeddings": None}, "mixtral": {"rope_parameters": {"rope_type": "default"}},
              "glm4": {"rope_parameters": {"rope_type": "default"}, "partial_rotary_factor": None},
-             "stablelm": {"rope_parameters": {"rope_type": "default"}, "partial_rotary_factor": None}}
+             "stablelm": {"rope_parameters": {"rope_type": "default"}, "partial_rotary_factor": None},
+             "ernie4_5": {"tie_word_embeddings": None, "rope_parameters": {"rope_type": "default"}}}
     checkpoints = {}
     for name, changes in drops.items():
         folder = work / f"defaults_{name}"
@@ -357,14 +363,14 @@ def test_import_writes_a_checkpoint_and_recipe_in_the_project_layout(imported):
         assert model["add_qkv_bias"] == (name in ("qwen2", "gpt_oss", "starcoder2", "qwen2_moe", "glm4", "stablelm",
                                                   "gpt2", "seed_oss", "glm4_moe"))
         assert model["share_embeddings_and_output_weights"] == (name in ("qwen2", "gemma3_text", "gemma2", "gemma",
-                                                                         "starcoder2", "gpt2"))
+                                                                         "starcoder2", "gpt2", "ernie4_5"))
         assert model.get("rope_scaling") == (None if name == "gpt2" else name == "llama")
         assert model["qk_layernorm"] == (name in ("qwen3", "qwen3_moe", "olmoe", "gemma3_text", "olmo2", "deepseek_v3",
                                                   "deepseek_v2", "glm4_moe", "dots1"))
         assert model.get("num_moe_experts") == ({"deepseek_v2": 8}.get(name, 4) if name in MOE else None)
         assert model.get("rotary_percent") == {"phi3": 0.5, "glm4": 0.5, "stablelm": 0.25, "gpt2": None,
                                                "glm4_moe": 0.5}.get(name, 1.0)
-        assert model.get("rotary_interleaved", False) == (name == "glm4")
+        assert model.get("rotary_interleaved", False) == (name in ("glm4", "ernie4_5"))
         assert model["seq_length"] == 128  # a sliding window (8) caps it no longer
         assert (model.get("window_size"), model.get("window_attn_skip_freq")) == WINDOWS.get(name, (None, None))
     gemma = yaml.safe_load((imported["gemma3_text"] / "recipe.yaml").read_text())["model"]
@@ -565,6 +571,11 @@ def truncate(file: Path) -> None:
         "attention_factor": 1.2079441541679836, "beta_fast": 32.0, "beta_slow": 1.0}), [],
      ["model_type 'olmo3' is not converted yet: its long-context releases", "in their full-attention layers only",
       "Supported: llama, mistral"]),
+    # ERNIE-4.5-21B-A3B's MoE settings: softmax probabilities plus an expert bias choose the experts
+    (lambda f: edit_config(f, model_type="ernie4_5_moe", moe_num_experts=64, moe_k=6, moe_num_shared_experts=2,
+                           moe_layer_start_index=1, moe_intermediate_size=1536), [],
+     ["model_type 'ernie4_5_moe' is not converted yet: its router", "megatron-core's softmax router takes no expert "
+      "bias", "Supported: llama, mistral"]),
     (lambda f: (f / "config.json").unlink(), [], ["has no config.json"]),
     (lambda f: edit_tensors(f, lambda t: t.pop("model.layers.1.mlp.up_proj.weight")), [],
      ["tensor model.layers.1.mlp.up_proj.weight is missing"]),
@@ -638,6 +649,10 @@ def test_import_errors_name_the_problem_and_leave_no_output(cli, broken, tmp_pat
     ("dots1", dict(scoring_func="softmax"), ["scoring_func 'softmax': transformers' dots1 router takes sigmoid"]),
     ("dots1", dict(moe_layer_freq=2), ["moe_layer_freq 2"]),
     ("dots1", dict(attention_bias=True), ["attention_bias"]),
+    ("ernie4_5", dict(use_bias=True), ["use_bias True: bridge converts a ernie4_5 model with use_bias False"]),
+    ("ernie4_5", dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
+                                       "rope_theta": 500000.0}),
+     ["yarn with the ernie4_5 family's interleaved RoPE"]),
 ])
 def test_import_refuses_what_megatron_core_cannot_compute(cli, hf_dirs, tmp_path, name, changes, fragments):
     folder = tmp_path / "hf"
@@ -736,7 +751,7 @@ def test_families_lists_every_family_with_its_limits(cli):
     result = cli("convert-ckpt", "families")
     assert result.exit_code == 0
     lines = result.stdout.splitlines()
-    assert [line.split()[0] for line in lines] == [*MODELS, "olmo3"]
+    assert [line.split()[0] for line in lines] == [*MODELS, "olmo3", "ernie4_5_moe"]
     assert all("Limits: " in line for line in lines[:len(MODELS)])
     assert all("not converted: " in line for line in lines[len(MODELS):])
 
@@ -766,6 +781,32 @@ def test_deepseek_v3_without_q_lora_rank(work, hf_dirs, tokens):
     ok(bridge("convert-ckpt", "export-hf", str(imported), str(out)))
     original, exported = safetensors_of(folder), safetensors_of(out)
     assert sorted(exported) == sorted(original) and all(torch.equal(exported[k], t) for k, t in original.items())
+
+
+@pytest.mark.slow
+def test_ernie4_5_with_llama3_rope_scaling(work, tokens):
+    """Llama 3.1's scaling of the RoPE frequencies under ERNIE 4.5's interleaved rotation: megatron-core scales the
+    same frequencies before interleaving them, so the logits equal transformers' and export writes the scaling back."""
+    config_cls, model_cls, options, _ = MODELS["ernie4_5"]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_cls)(**SHAPE, **options, rope_scaling={**LLAMA3_ROPE, "rope_theta": 500000.0})
+    model = getattr(transformers, model_cls)(config).float().eval()
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            param.uniform_(0.5, 1.5) if "norm" in param_name else param.normal_(0.0, 0.1)
+        expected = model(tokens).logits
+    folder, imported, out = work / "hf_ernie_llama3", work / "mcore_ernie_llama3", work / "rt_ernie_llama3"
+    model.save_pretrained(folder)
+    ok(bridge("convert-ckpt", "import-hf", str(folder), str(imported)))
+    recipe = yaml.safe_load((imported / "recipe.yaml").read_text())["model"]
+    assert (recipe["rope_scaling"], recipe["rotary_interleaved"]) == (True, True)
+    logits = logits_at_tp1({"ernie_llama3": imported}, work / "tokens.pt", work / "ernie_llama3_logits")
+    assert (logits["ernie_llama3"] - expected).abs().max().item() < ATOL
+    ok(bridge("convert-ckpt", "export-hf", str(imported), str(out)))
+    # (transformers adds the llama model's rope_theta to LLAMA3_ROPE, which MODELS hands it)
+    assert json.loads((out / "config.json").read_text())["rope_scaling"] == {
+        key: value for key, value in LLAMA3_ROPE.items() if key != "rope_theta"}
+    assert torch.equal(hf_logits(out, tokens), expected)
 
 
 @pytest.mark.slow

@@ -67,6 +67,7 @@ def test_every_field_of_the_config_class_is_mapped_assumed_or_inert(model_type):
     ("gpt_oss", {"swiglu_alpha": 1.0}), ("mixtral", {"router_jitter_noise": 0.1}), ("olmoe", {"clip_qkv": 8.0}),
     ("gemma", {"use_bidirectional_attention": True}), ("stablelm", {"use_parallel_residual": True}),
     ("seed_oss", {"attention_out_bias": True}), ("gpt2", {"add_cross_attention": True}),
+    ("ernie4_5", {"use_bias": True}),
 ])
 def test_an_assumed_field_with_another_value_is_refused_naming_it_and_the_file(model_type, change):
     config = {"model_type": model_type, **SHAPE, "num_local_experts": 4, "num_experts": 4, "head_dim": 16, **change}
@@ -95,6 +96,10 @@ def test_an_assumed_field_with_another_value_is_refused_naming_it_and_the_file(m
     ("qwen3", {}, "kv_channels", 128),  # head_dim left out: Qwen3Config's 128, not hidden / heads
     ("qwen2", {}, "kv_channels", 16),
     ("starcoder2", {}, "layernorm_epsilon", 1e-5),
+    ("ernie4_5", {}, "share_embeddings_and_output_weights", True),
+    ("ernie4_5", {}, "rotary_base", 500_000),
+    ("ernie4_5", {}, "kv_channels", 128),
+    ("ernie4_5", {"attention_dropout": 0.1}, "attention_dropout", 0.0),  # transformers' ERNIE 4.5 ignores it
 ])
 def test_a_key_config_json_leaves_out_means_what_transformers_makes_of_it(model_type, config, field, expected):
     fields = FAMILIES[model_type].model_fields({"model_type": model_type, **SHAPE, **config}, WHERE)
@@ -151,3 +156,23 @@ def test_glm4_moe_export_refuses_a_scaled_rope():
     model = {**family.model_fields(config, WHERE), "params_dtype": "float32"}
     assert family.differences({**model, "rope_scaling": True}) == ["model.rope_scaling=True"]
     assert "model.position_embedding_type=yarn" in family.differences({**model, "position_embedding_type": "yarn"})
+
+
+def test_the_released_ernie_4_5_config_converts_as_transformers_reads_it():
+    """ERNIE-4.5-0.3B's config.json as released (its -PT and -Base-PT folders; the first releases' remote-code
+    ``Ernie4_5_ForCausalLM`` with ``auto_map`` read the same keys): GQA with 128-wide heads, tied embeddings, RoPE
+    on interleaved pairs with base 500000, no biases."""
+    config = {"architectures": ["Ernie4_5ForCausalLM"], "model_type": "ernie4_5", "bos_token_id": 1, "eos_token_id": 2,
+              "pad_token_id": 0, "head_dim": 128, "hidden_act": "silu", "hidden_size": 1024, "intermediate_size": 3072,
+              "max_position_embeddings": 131072, "num_attention_heads": 16, "num_hidden_layers": 18,
+              "num_key_value_heads": 2, "rms_norm_eps": 1e-05, "rope_theta": 500000, "tie_word_embeddings": True,
+              "torch_dtype": "bfloat16", "use_bias": False, "use_cache": False, "vocab_size": 103424}
+    fields = FAMILIES["ernie4_5"].model_fields(config, WHERE)
+    assert {key: fields[key] for key in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                                         "num_query_groups", "kv_channels", "share_embeddings_and_output_weights",
+                                         "rotary_base", "rotary_interleaved", "rope_scaling", "add_qkv_bias",
+                                         "add_bias_linear", "layernorm_epsilon")} == {
+        "num_layers": 18, "hidden_size": 1024, "ffn_hidden_size": 3072, "num_attention_heads": 16,
+        "num_query_groups": 2, "kv_channels": 128, "share_embeddings_and_output_weights": True, "rotary_base": 500_000,
+        "rotary_interleaved": True, "rope_scaling": False, "add_qkv_bias": False, "add_bias_linear": False,
+        "layernorm_epsilon": 1e-05}

@@ -17,6 +17,7 @@ from bridge_cli.checkpoint.errors import CheckpointError
 from bridge_cli.config.errors import ConfigError
 from bridge_cli.convert.families.arcee import Arcee
 from bridge_cli.convert.families.dots1 import Dots1
+from bridge_cli.convert.families.ernie4_5 import Ernie4_5
 from bridge_cli.convert.families.gemma import Gemma
 from bridge_cli.convert.families.gemma2 import Gemma2
 from bridge_cli.convert.families.gemma3 import Gemma3
@@ -47,12 +48,13 @@ FAMILIES: dict[str, LlamaLike] = {family.model_type: family
                                                  Mixtral(), Qwen3Moe(), Olmoe(), Gemma3(), Gemma2(), GptOss(), Gemma(),
                                                  Starcoder2(), Olmo2(), Qwen2Moe(), Glm4(), StableLm(), Gpt2(),
                                                  SeedOss(), Arcee(), DeepseekV3(), DeepseekV2(), Glm4Moe(),
-                                                 Dots1())}
+                                                 Dots1(), Ernie4_5())}
 """model_type -> its family, in the order export tries them."""
 
 INFERRED = ("llama", "mistral", "qwen2", "qwen3", "phi3",
             "mixtral", "qwen3_moe", "olmoe", "gemma3_text", "gemma2", "gpt_oss", "gemma", "starcoder2", "olmo2",
-            "qwen2_moe", "glm4", "stablelm", "gpt2", "arcee", "deepseek_v3", "deepseek_v2", "glm4_moe", "dots1")
+            "qwen2_moe", "glm4", "stablelm", "gpt2", "arcee", "deepseek_v3", "deepseek_v2", "glm4_moe", "dots1",
+            "ernie4_5")
 """The families export picks without --model-type."""
 
 
@@ -62,6 +64,11 @@ REFUSED: dict[str, str] = {
               "only, as transformers applies it, and keep plain RoPE in their sliding-window layers; megatron-core's "
               "YaRN rotates and scales every layer, and bridge's sliding-window rotary table (local_rotary_base) sits "
               "beside a plain or Llama 3.1-scaled one only"),
+    "ernie4_5_moe": ("its router (ERNIE-4.5-21B-A3B, ERNIE-4.5-300B-A47B) picks each token's experts by their softmax "
+                     "probabilities plus a per-expert bias (mlp.gate.moe_statics.e_score_correction_bias) and weighs "
+                     "them by the probabilities alone, renormalised; megatron-core's softmax router takes no expert "
+                     "bias (moe_router_enable_expert_bias needs moe_router_score_function sigmoid), so no model here "
+                     "chooses the experts it chooses"),
 }
 """Hugging Face model types bridge knows and does not convert yet: why, for the refusal."""
 

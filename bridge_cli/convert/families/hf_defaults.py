@@ -168,6 +168,10 @@ DEFAULTS: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": False, "rope_parameters": None, "attention_bias": False, "attention_dropout": 0.0,
         "routed_scaling_factor": 1.0, "sliding_window": 4096, "max_window_layers": 62, "layer_types": None,
         "pad_token_id": None, "bos_token_id": None, "eos_token_id": None},
+    "ernie4_5": {"vocab_size": 103424, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 18,
+        "num_attention_heads": 16, "num_key_value_heads": 2, "hidden_act": "silu", "max_position_embeddings": 131072,
+        "initializer_range": 0.02, "rms_norm_eps": 1e-05, "use_cache": True, "pad_token_id": 0, "bos_token_id": 1,
+        "eos_token_id": 2, "tie_word_embeddings": True, "rope_parameters": None, "use_bias": False, "head_dim": 128},
 }
 """model_type -> each field of its transformers config class (beyond PreTrainedConfig's) and its default."""
 
@@ -190,6 +194,7 @@ ROPE_DEFAULTS: dict[str, tuple[float, Optional[float], dict[str, Any]]] = {
     "phi3": (10_000.0, 1.0, {}),
     "glm4": (10_000.0, 0.5, {}),
     "glm4_moe": (10_000.0, 0.5, {}),
+    "ernie4_5": (500_000.0, None, {}),
     "stablelm": (10_000.0, 0.25, {}),
     "gpt_oss": (150_000.0, None, {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
                                   "truncate": False, "original_max_position_embeddings": 4096}),
