@@ -170,10 +170,11 @@ MOE = ("mixtral", "qwen3_moe", "olmoe", "gpt_oss", "qwen2_moe", "deepseek_v3", "
 ones excepted: megatron-core computes those at expert TP 1)."""
 
 
-def hf_model(name: str):
+def hf_model(name: str, **changes):
+    """MODELS' model ``name`` with random weights, its options updated with ``changes``."""
     config_cls, model_cls, options, _ = MODELS[name]
     torch.manual_seed(0)
-    config = getattr(transformers, config_cls)(**OWN_SHAPE.get(name, SHAPE), **options)
+    config = getattr(transformers, config_cls)(**OWN_SHAPE.get(name, SHAPE), **{**options, **changes})
     model = getattr(transformers, model_cls)(config).float().eval()
     with torch.no_grad():  # larger than the default init, so that every weight moves the logits
         for param_name, param in model.named_parameters():
@@ -787,13 +788,8 @@ def test_deepseek_v3_without_q_lora_rank(work, hf_dirs, tokens):
 def test_ernie4_5_with_llama3_rope_scaling(work, tokens):
     """Llama 3.1's scaling of the RoPE frequencies under ERNIE 4.5's interleaved rotation: megatron-core scales the
     same frequencies before interleaving them, so the logits equal transformers' and export writes the scaling back."""
-    config_cls, model_cls, options, _ = MODELS["ernie4_5"]
-    torch.manual_seed(0)
-    config = getattr(transformers, config_cls)(**SHAPE, **options, rope_scaling={**LLAMA3_ROPE, "rope_theta": 500000.0})
-    model = getattr(transformers, model_cls)(config).float().eval()
+    model = hf_model("ernie4_5", rope_scaling={**LLAMA3_ROPE, "rope_theta": 500000.0})
     with torch.no_grad():
-        for param_name, param in model.named_parameters():
-            param.uniform_(0.5, 1.5) if "norm" in param_name else param.normal_(0.0, 0.1)
         expected = model(tokens).logits
     folder, imported, out = work / "hf_ernie_llama3", work / "mcore_ernie_llama3", work / "rt_ernie_llama3"
     model.save_pretrained(folder)
