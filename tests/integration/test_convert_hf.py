@@ -10,6 +10,7 @@ output folder.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -174,7 +175,8 @@ def hf_model(name: str, **changes):
     """MODELS' model ``name`` with random weights, its options updated with ``changes``."""
     config_cls, model_cls, options, _ = MODELS[name]
     torch.manual_seed(0)
-    config = getattr(transformers, config_cls)(**OWN_SHAPE.get(name, SHAPE), **{**options, **changes})
+    # a copy: transformers writes into the rope_scaling dict it is given (rope_theta), which MODELS shares
+    config = getattr(transformers, config_cls)(**OWN_SHAPE.get(name, SHAPE), **copy.deepcopy({**options, **changes}))
     model = getattr(transformers, model_cls)(config).float().eval()
     with torch.no_grad():  # larger than the default init, so that every weight moves the logits
         for param_name, param in model.named_parameters():
@@ -799,9 +801,7 @@ def test_ernie4_5_with_llama3_rope_scaling(work, tokens):
     logits = logits_at_tp1({"ernie_llama3": imported}, work / "tokens.pt", work / "ernie_llama3_logits")
     assert (logits["ernie_llama3"] - expected).abs().max().item() < ATOL
     ok(bridge("convert-ckpt", "export-hf", str(imported), str(out)))
-    # (transformers adds the llama model's rope_theta to LLAMA3_ROPE, which MODELS hands it)
-    assert json.loads((out / "config.json").read_text())["rope_scaling"] == {
-        key: value for key, value in LLAMA3_ROPE.items() if key != "rope_theta"}
+    assert json.loads((out / "config.json").read_text())["rope_scaling"] == LLAMA3_ROPE
     assert torch.equal(hf_logits(out, tokens), expected)
 
 
