@@ -18,8 +18,8 @@ only some experts, so the buffers have room for the most there can be (every gat
 min(topk, local experts) pairs here) and the real count stays on the GPU: grouped GEMMs stop at
 their last offset and the row gathers and sums skip the tail (:mod:`bridge_cli.models.moe_rows`).
 The tail costs memory (EP times the expected rows at most) and no time; with a capacity factor the buffers
-hold at most that factor times the expected rows (:func:`~bridge_cli.models.dispatch_room.room`). Each token's outputs are
-summed with a gather in fp32 (one rounding instead of one per expert). Fixed shapes and no host
+hold at most that factor times the expected rows (:func:`~bridge_cli.models.dispatch_room.room`). Each token's
+outputs are summed with a gather in fp32 (one rounding instead of one per expert). Fixed shapes and no host
 reads also let ``model.compile_layers`` compile the MoE layers whole, at any expert-parallel size.
 
 The gather and the reduce-scatter leave the GPU's compute idle. With ``model.moe_exchange_chunks`` above 1
@@ -59,8 +59,8 @@ class DeviceTokenDispatcher(MoETokenDispatcher):
                            replaced.local_expert_indices[0] + replaced.num_local_experts)
         self.slots = min(replaced.config.moe_router_topk, replaced.num_local_experts)
         self.room: int | None = None
-        """Rows of the permuted buffer (:func:`~bridge_cli.models.dispatch_room.room`), set from each micro-batch's token
-        count in :meth:`dispatch_preprocess`: with a capacity factor fewer than every token's ``slots`` pairs."""
+        """Rows of the permuted buffer (:func:`~bridge_cli.models.dispatch_room.room`), set from each micro-batch's
+        token count in :meth:`dispatch_preprocess`: with a capacity factor fewer than every token's ``slots`` pairs."""
         self.group_size = self.tp_size * self.ep_size
         self.all_experts_here = replaced.num_local_experts == replaced.config.num_moe_experts
         # with every expert here and no capacity to drop pairs, each token sends exactly topk pairs: no tail to skip
@@ -284,7 +284,9 @@ def use_device_token_dispatch(model: torch.nn.Module) -> None:
     where expert parallelism is at most ``moe_router_topk`` (beyond, the all-to-all moves less data), no
     shared-expert overlap and no padding to capacity. Every load-balancing type bridge accepts routes a token to
     top-k experts; ``model.moe_expert_capacity_factor`` has megatron-core's router drop the pairs past an expert's
-    capacity before the exchange, and the count on the GPU covers the pairs left. With ``model.moe_exchange_chunks`` above 1 (validated by
+    capacity before the exchange, and the count on the GPU covers the pairs left. Where rows can go past that count
+    (experts spread over ranks, or pairs dropped), grouped experts compute their activation up to it
+    (:mod:`bridge_cli.models.expert_activation`). With ``model.moe_exchange_chunks`` above 1 (validated by
     :func:`~bridge_cli.models.moe_checks.check_moe`), the layer becomes a :class:`ChunkedExchangeMoELayer`.
     """
     from megatron.core.transformer.moe.token_dispatcher import (

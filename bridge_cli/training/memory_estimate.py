@@ -26,14 +26,13 @@ The estimate adds, for the pipeline stage that holds the most:
 - under pipeline parallelism, the reference's or teacher's hidden states that ride with the model's between stages
   (:mod:`bridge_cli.training.frozen_pipeline`): the rows each stage receives and those it sends, at the frozen
   model's width laid out as rows of the model's, held with the model's own for every micro-batch in flight;
-- a fixed allowance for what torch's allocator does not count (the CUDA context, NCCL's buffers).
-
+- a fixed allowance for what torch's allocator does not count (the CUDA context, NCCL's buffers);
 - FP8 (tensor-wise, compiled layers, bridge's FP8 linears): each layer that runs in FP8 keeps
   :data:`FP8_LAYER_ACTIVATIONS` of what it keeps in bf16, a measured ratio.
 
-What it leaves out: other FP8 (estimated as bf16: row-wise and eager layers; eager tensor-wise FP8 under torch FSDP2 keeps each FP8 layer's whole weight in fp8 for its backward, 1 byte a
-parameter, more than the fp8 copies of its inputs save: llama8b about +1.9 GiB,
-tests/integration/test_fp8_fsdp_cpu.py), activation offloading, router imbalance under
+What it leaves out: other FP8 (estimated as bf16: row-wise and eager layers; eager tensor-wise FP8 under torch
+FSDP2 keeps each FP8 layer's whole weight in fp8 for its backward, 1 byte a parameter, more than the fp8 copies of
+its inputs save: llama8b about +1.9 GiB, tests/integration/test_fp8_fsdp_cpu.py), activation offloading, router imbalance under
 megatron-core's dispatchers (the average is used), allocator fragmentation beyond the allowance. Measured
 against the peaks of docs/performance.md in docs/parallelism.md#memory-per-gpu.
 """
