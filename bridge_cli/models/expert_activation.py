@@ -41,14 +41,14 @@ def swiglu_probs(x: torch.Tensor, probs: torch.Tensor, count: torch.Tensor) -> t
 class _SwigluProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, probs, count):
+        x, probs = x.contiguous(), probs.contiguous()  # as the kernels read them, saved so for the backward
         ctx.save_for_backward(x, probs, count)
-        return torch.ops.bridge.swiglu_probs(x.contiguous(), probs.contiguous(), count)
+        return torch.ops.bridge.swiglu_probs(x, probs, count)
 
     @staticmethod
     def backward(ctx, grad):
         x, probs, count = ctx.saved_tensors
-        grad_x, grad_probs = torch.ops.bridge.swiglu_probs_backward(grad.contiguous(), x.contiguous(),
-                                                                    probs.contiguous(), count)
+        grad_x, grad_probs = torch.ops.bridge.swiglu_probs_backward(grad.contiguous(), x, probs, count)
         return grad_x, grad_probs, None
 
 

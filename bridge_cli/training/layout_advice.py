@@ -105,7 +105,6 @@ class Advice:
             return f"{head} No single setting is enough; together these would: {'; '.join(self.fixes)}."
         return f"{head} Any one of these would: {'; '.join(self.fixes)}."
 
-
     def hint(self) -> Optional[str]:
         """The note that a faster layout fits too (:attr:`gather_once`); None where there is none."""
         if self.gather_once is None:

@@ -32,9 +32,9 @@ The estimate adds, for the pipeline stage that holds the most:
 
 What it leaves out: other FP8 (estimated as bf16: row-wise and eager layers; eager tensor-wise FP8 under torch
 FSDP2 keeps each FP8 layer's whole weight in fp8 for its backward, 1 byte a parameter, more than the fp8 copies of
-its inputs save: llama8b about +1.9 GiB, tests/integration/test_fp8_fsdp_cpu.py), activation offloading, router imbalance under
-megatron-core's dispatchers (the average is used), allocator fragmentation beyond the allowance. Measured
-against the peaks of docs/performance.md in docs/parallelism.md#memory-per-gpu.
+its inputs save: llama8b about +1.9 GiB, tests/integration/test_fp8_fsdp_cpu.py), activation offloading, router
+imbalance under megatron-core's dispatchers (the average is used), allocator fragmentation beyond the allowance.
+Measured against the peaks of docs/performance.md in docs/parallelism.md#memory-per-gpu.
 """
 
 from __future__ import annotations
@@ -269,12 +269,13 @@ def shape_of(cfg, world_size: int) -> RunShape:
 def _fp8_layers(m, spec: str) -> tuple[bool, ...]:
     """Which layers :data:`FP8_LAYER_ACTIVATIONS` applies to: with tensor-wise FP8 on bridge's FP8 linears (``torch``
     and ``local`` specs), compiled, the layers that megatron-core's ``is_first_last_bf16_layer`` does not keep in
-    bf16 (megatron-core refuses FP8 with experts where Transformer Engine is missing, so every layer here is dense)."""
+    bf16 (megatron-core refuses FP8 with experts where Transformer Engine is missing, so every layer here is dense).
+    The validation that ``m`` passed has imported megatron-core already."""
     if not (m.fp8 and m.fp8_recipe == "tensorwise" and m.compile_layers and spec in ("torch", "local")):
         return ()
-    start = m.num_layers_at_start_in_bf16 if m.first_last_layers_bf16 else 0
-    end = m.num_layers_at_end_in_bf16 if m.first_last_layers_bf16 else 0
-    return tuple(start <= i < m.num_layers - end for i in range(m.num_layers))
+    from megatron.core.fp8_utils import is_first_last_bf16_layer
+
+    return tuple(not is_first_last_bf16_layer(m, i) for i in range(m.num_layers))
 
 
 def model_dims(m) -> dict[str, Any]:
